@@ -1,0 +1,2 @@
+ABI_VERSION: int
+_GIL_MINSIZE: int

@@ -1,0 +1,235 @@
+"""StoreConfig: every knob of npukv_store, with units and defaults.
+
+Runs in: any process. Pure data; no I/O except reading ``NPUKV_<KEY>`` environment
+variables in :meth:`StoreConfig.from_extra_config`, the only place env is read.
+
+Values come from vLLM's ``kv_connector_extra_config`` (a dict of strings, numbers
+and bools) or from keyword arguments. Unknown keys and bad values raise one
+:class:`~npukv_store.errors.ConfigError` that names the key, what was found and
+what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from npukv_store.errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 10**3,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_size(value: object, *, key: str = "size") -> int:
+    """Parse a byte size: an int, or a string such as ``"500GiB"``, ``"1.5TB"``.
+
+    K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024; KB/MB/GB/TB powers of 1000.
+
+    Raises:
+        ConfigError: negative, garbled, or with an unknown unit.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: found bool {value!r}, expected a byte size")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: found {value}, expected a size >= 0 bytes")
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{key}: found {type(value).__name__} {value!r}, expected a byte size "
+            "such as 4096 or '500GiB'"
+        )
+    match = _SIZE_RE.match(value)
+    if match is None or match.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(
+            f"{key}: found {value!r}, expected a non-negative size such as "
+            "'4096', '64MiB', '500GiB' or '1.5TB'"
+        )
+    number = float(match.group(1))
+    size = number * _SIZE_UNITS[match.group(2).lower()]
+    if not math.isfinite(size):
+        raise ConfigError(f"{key}: found {value!r}, expected a finite size")
+    return int(size)
+
+
+def _parse_bool(value: object, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigError(f"{key}: found {value!r}, expected true or false")
+
+
+def _parse_number(value: object, key: str, kind: type[int] | type[float]) -> Any:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: found bool {value!r}, expected a {kind.__name__}")
+    try:
+        return kind(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{key}: found {value!r}, expected a {kind.__name__}"
+        ) from None
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreConfig:
+    """Configuration of one store handle (and, through vLLM, of the connector).
+
+    Cross-process facts (format version, namespace) are not settings: they live in
+    the directory marker and the chunk metadata and are checked on open.
+    """
+
+    cache_dir: str = field(metadata=_doc("Cache directory shared by all processes."))
+    capacity: int = field(
+        default=parse_size("500GiB"),
+        metadata=_doc("Bytes of chunk files allowed in cache_dir, for all processes."),
+    )
+    ring_size: int = field(
+        default=parse_size("1GiB"),
+        metadata=_doc("Bytes of the shared-memory staging ring per worker process."),
+    )
+    chunk_target_size: int = field(
+        default=parse_size("64MiB"),
+        metadata=_doc("Bytes a chunk file aims for; saves are batched up to it."),
+    )
+    io_engine: str = field(
+        default="auto", metadata=_doc("I/O backend: auto, uring or threads.")
+    )
+    direct_io: bool = field(
+        default=False, metadata=_doc("Use O_DIRECT for chunk reads and writes.")
+    )
+    fsync: str = field(
+        default="chunk",
+        metadata=_doc("chunk: fsync each chunk before publishing it; never: don't."),
+    )
+    verify: str = field(
+        default="always",
+        metadata=_doc("always: check block checksums on every read; never: trust disk."),
+    )
+    layerwise: str = field(
+        default="auto", metadata=_doc("Per-layer save/load: auto, on or off.")
+    )
+    prefetch_depth: int = field(
+        default=2, metadata=_doc("Layers read ahead of the layer being computed.")
+    )
+    save_decode: bool = field(
+        default=False, metadata=_doc("Also save blocks generated during decode.")
+    )
+    namespace_extra: str = field(
+        default="", metadata=_doc("String mixed into the namespace fingerprint.")
+    )
+    index_map_size: int = field(
+        default=parse_size("8GiB"),
+        metadata=_doc("Bytes of address space reserved for the LMDB index (sparse)."),
+    )
+    evict_grace_s: float = field(
+        default=5.0,
+        metadata=_doc("Seconds after a touch during which eviction prefers others."),
+    )
+    tmp_max_age_s: float = field(
+        default=3600.0,
+        metadata=_doc("Seconds after which a tmp/ file is garbage even if its pid lives."),
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache_dir, str | os.PathLike) or not str(self.cache_dir):
+            raise ConfigError(
+                f"cache_dir: found {self.cache_dir!r}, expected a directory path"
+            )
+        object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        for key in ("capacity", "ring_size", "chunk_target_size", "index_map_size"):
+            object.__setattr__(self, key, parse_size(getattr(self, key), key=key))
+        self._check_choice("io_engine", ("auto", "uring", "threads"))
+        self._check_choice("fsync", ("chunk", "never"))
+        self._check_choice("verify", ("always", "never"))
+        self._check_choice("layerwise", ("auto", "on", "off"))
+        for key in ("direct_io", "save_decode"):
+            object.__setattr__(self, key, _parse_bool(getattr(self, key), key))
+        depth = _parse_number(self.prefetch_depth, "prefetch_depth", int)
+        if depth < 1:
+            raise ConfigError(f"prefetch_depth: found {depth}, expected >= 1 layers")
+        object.__setattr__(self, "prefetch_depth", depth)
+        for key in ("evict_grace_s", "tmp_max_age_s"):
+            seconds = _parse_number(getattr(self, key), key, float)
+            if not math.isfinite(seconds) or seconds < 0:
+                raise ConfigError(f"{key}: found {seconds}, expected seconds >= 0")
+            object.__setattr__(self, key, seconds)
+        if not isinstance(self.namespace_extra, str):
+            raise ConfigError(
+                f"namespace_extra: found {self.namespace_extra!r}, expected a string"
+            )
+        if self.index_map_size < (1 << 20):
+            raise ConfigError(
+                f"index_map_size: found {self.index_map_size} bytes, expected >= 1MiB"
+            )
+
+    def _check_choice(self, key: str, choices: tuple[str, ...]) -> None:
+        value = getattr(self, key)
+        normalised = value.strip().lower() if isinstance(value, str) else value
+        if normalised not in choices:
+            raise ConfigError(
+                f"{key}: found {value!r}, expected one of {', '.join(choices)}"
+            )
+        object.__setattr__(self, key, normalised)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """All accepted configuration keys, in declaration order."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, object], env: Mapping[str, str] | None = None
+    ) -> StoreConfig:
+        """Build a config from vLLM's ``kv_connector_extra_config``.
+
+        Args:
+            extra: key -> value; every key must be a StoreConfig field.
+            env: environment to read ``NPUKV_<KEY>`` overrides from (default
+                ``os.environ``); an override wins over ``extra``.
+
+        Raises:
+            ConfigError: an unknown key, a missing ``cache_dir`` or a bad value.
+        """
+        known = cls.keys()
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ConfigError(
+                f"unknown config key(s) {', '.join(map(repr, unknown))}; "
+                f"expected some of {', '.join(known)}"
+            )
+        values: dict[str, object] = dict(extra)
+        env = os.environ if env is None else env
+        for key in known:
+            override = env.get(f"NPUKV_{key.upper()}")
+            if override is not None:
+                values[key] = override
+        if "cache_dir" not in values:
+            raise ConfigError("cache_dir: missing, expected a directory path")
+        return cls(**values)  # type: ignore[arg-type]

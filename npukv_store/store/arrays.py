@@ -1,0 +1,99 @@
+"""Byte views of caller arrays: numpy arrays, or CPU torch tensors, without torch.
+
+Runs in: any process. The store layer never imports torch; a torch tensor can
+only reach it from a caller that imported torch already, so ``sys.modules`` has it.
+
+    byte_rows() - a validated, C-contiguous ``uint8 [rows, row_bytes]`` view
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from npukv_store.spec import PartSpec
+
+# numpy dtype -> safetensors code. numpy has no bf16/fp8: for those the caller
+# passes same-width unsigned ints holding the bit patterns.
+_NUMPY_CODES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "uint16": "U16",
+    "int16": "I16",
+    "float16": "F16",
+    "uint32": "U32",
+    "int32": "I32",
+    "float32": "F32",
+    "uint64": "U64",
+    "int64": "I64",
+    "float64": "F64",
+}
+_BIT_PATTERN_OK = {"BF16": "U16", "F8_E4M3": "U8", "F8_E5M2": "U8"}
+_TORCH_CODES = {
+    "torch.bool": "BOOL",
+    "torch.uint8": "U8",
+    "torch.int8": "I8",
+    "torch.int16": "I16",
+    "torch.float16": "F16",
+    "torch.bfloat16": "BF16",
+    "torch.int32": "I32",
+    "torch.float32": "F32",
+    "torch.int64": "I64",
+    "torch.float64": "F64",
+    "torch.float8_e4m3fn": "F8_E4M3",
+    "torch.float8_e5m2": "F8_E5M2",
+}
+
+
+def _as_numpy(array: object, name: str) -> tuple[np.ndarray, str, tuple[int, ...]]:
+    """The array as numpy, its safetensors dtype code and its logical shape."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(array, torch.Tensor):
+        if array.device.type != "cpu":
+            raise ValueError(f"{name}: found a {array.device} tensor, expected CPU")
+        code = _TORCH_CODES.get(str(array.dtype))
+        if code is None:
+            raise ValueError(f"{name}: found dtype {array.dtype}, expected a KV dtype")
+        if not array.is_contiguous():
+            raise ValueError(f"{name}: found a non-contiguous tensor, expected C order")
+        # through uint8: numpy cannot hold bf16/fp8 tensors directly.
+        raw = array.detach().reshape(-1).view(torch.uint8).numpy()
+        return raw, code, tuple(array.shape)
+    if not isinstance(array, np.ndarray):
+        raise ValueError(
+            f"{name}: found {type(array).__name__}, expected a numpy array or a "
+            "CPU torch tensor"
+        )
+    return array, _NUMPY_CODES.get(array.dtype.name, array.dtype.name), array.shape
+
+
+def byte_rows(
+    array: object, part: PartSpec, num_rows: int, name: str, *, writable: bool = False
+) -> np.ndarray:
+    """``uint8 [num_rows, part.row_bytes]`` view of ``array`` (no copy).
+
+    Raises:
+        ValueError: wrong type, dtype, shape, memory order or writability.
+    """
+    arr, code, shape = _as_numpy(array, name)
+    bits_ok = _BIT_PATTERN_OK.get(part.dtype) == code
+    if code != part.dtype and not bits_ok:
+        raise ValueError(f"{name}: found dtype {code}, expected {part.dtype}")
+    if tuple(shape) != (num_rows, *part.row_shape):
+        raise ValueError(
+            f"{name}: found shape {list(shape)}, expected "
+            f"[{num_rows}, {', '.join(map(str, part.row_shape))}]"
+        )
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name}: found a non-contiguous array, expected C order")
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{name}: found a read-only array, expected a writable one")
+    rows = arr.reshape(-1).view(np.uint8)
+    if rows.size != num_rows * part.row_bytes:
+        raise ValueError(
+            f"{name}: found {rows.size} bytes, expected {num_rows} rows of "
+            f"{part.row_bytes}"
+        )
+    return rows.reshape(num_rows, part.row_bytes)

@@ -1,0 +1,107 @@
+"""check_store(): verify every invariant of a cache directory.
+
+Runs in: tests, the maintenance job and ``KVStore.check()``. Read-only unless
+``fix`` is set. Meant for a quiescent directory: a publish in flight in another
+process is reported as such only when its creator is dead.
+
+Invariants (each violation is one line of the returned list):
+ 1. the ledger's total equals the sum of the chunk records' sizes, and stays
+    within capacity;
+ 2. the LRU has exactly one entry per chunk record, at its last access;
+ 3. every chunk record has its file, of the recorded size, with a valid header of
+    its namespace whose keys are the record's keys;
+ 4. every key row points to a chunk record whose row holds that key, and each
+    record's live row count equals the rows that point to it;
+ 5. no tmp/ file of a dead writer and no removable orphan chunk file remains;
+ 6. (verify_data) every live row's checksums match its bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections import Counter
+
+from npukv_store.config import StoreConfig
+from npukv_store.errors import FormatError
+from npukv_store.store import recovery
+from npukv_store.store.directory import CacheDir
+from npukv_store.store.format import ChunkHeader, layer_checksum, parse_header
+from npukv_store.store.index import ChunkRecord, Index
+
+
+def check_store(
+    cdir: CacheDir, index: Index, config: StoreConfig, *, verify_data: bool, fix: bool
+) -> list[str]:
+    """The problems found in ``cdir`` (empty when every invariant holds)."""
+    problems: list[str] = []
+    records = {r.chunk_id: r for r in index.iter_chunks()}
+    total, _, _ = index.totals()
+    size_sum = sum(r.size_bytes for r in records.values())
+    if total != size_sum:
+        problems.append(f"ledger total {total} != sum of chunk sizes {size_sum}")
+    if total > config.capacity:
+        problems.append(f"total {total} bytes exceeds capacity {config.capacity}")
+    lru = dict((cid, ns) for ns, cid in index.iter_lru())
+    expected_lru = {cid: r.last_access_ns for cid, r in records.items()}
+    if lru != expected_lru:
+        problems.append(f"LRU has {len(lru)} entries, {len(expected_lru)} chunk records")
+    homes: Counter[int] = Counter()
+    for key, chunk_id, row in index.iter_keys():
+        record = records.get(chunk_id)
+        if record is None or row >= record.num_rows or record.keys[row] != key:
+            problems.append(f"key {key.hex()} points to chunk {chunk_id:016x} row {row}")
+        homes[chunk_id] += 1
+    for chunk_id, record in records.items():
+        if homes[chunk_id] != record.live_rows:
+            problems.append(
+                f"chunk {chunk_id:016x}: live_rows {record.live_rows}, "
+                f"{homes[chunk_id]} key rows point to it"
+            )
+        problems.extend(_check_chunk_file(cdir, record, verify_data))
+    problems.extend(_check_leftovers(cdir, index, config, fix))
+    return problems
+
+
+def _check_chunk_file(cdir: CacheDir, record: ChunkRecord, verify_data: bool) -> list[str]:
+    path = cdir.chunk_path(record.namespace.hex(), record.chunk_id)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return [f"chunk {path}: indexed but missing"]
+    try:
+        header = parse_header(fd, path, namespace=record.namespace.hex())
+        if header.file_size != record.size_bytes or header.keys != record.keys:
+            return [f"chunk {path}: size or keys differ from its index record"]
+        if verify_data:
+            return _verify_rows(fd, header)
+    except FormatError as exc:
+        return [f"chunk {path}: {exc}"]
+    finally:
+        os.close(fd)
+    return []
+
+
+def _verify_rows(fd: int, header: ChunkHeader) -> list[str]:
+    problems = []
+    for li, entries in enumerate(header.layers):
+        data = [os.pread(fd, e.end - e.begin, e.begin) for e in entries]
+        for row in range(header.num_blocks):
+            parts = [
+                memoryview(d)[row * e.row_bytes : (row + 1) * e.row_bytes]
+                for d, e in zip(data, entries, strict=True)
+            ]
+            if layer_checksum(parts) != int(header.checksums[row, li]):
+                problems.append(f"chunk {header.path}: row {row} layer {li} checksum")
+    return problems
+
+
+def _check_leftovers(cdir: CacheDir, index: Index, config: StoreConfig, fix: bool) -> list[str]:
+    garbage = cdir.garbage_tmp(config.tmp_max_age_s)
+    orphans = recovery.scan_orphans(cdir, index, config.tmp_max_age_s).removable
+    if fix:
+        for path in garbage + orphans:
+            with contextlib.suppress(FileNotFoundError):  # removed concurrently
+                os.unlink(path)
+        return []
+    return [f"tmp garbage {p}" for p in garbage] + [f"orphan chunk {p}" for p in orphans]

@@ -1,0 +1,326 @@
+"""The shared index of a cache directory: an LMDB environment under ``index/``.
+
+Runs in: every process that opens the store; one environment per process and
+directory (LMDB forbids opening one twice in a process), shared by handles.
+Thread-safe: LMDB read transactions are per thread, write transactions serialise
+on LMDB's robust process-shared mutex, so a writer killed mid-transaction leaves
+the last committed state and the lock is recovered by the next writer.
+
+    lookup_prefix() - longest stored prefix of a key chain (one C call, getmulti)
+    locate()        - (chunk id, row) of each key
+    commit_chunk()  - publish a chunk's rows, first commit wins, evict to capacity
+    remove_chunks() - unpublish chunks (the caller unlinks their files after)
+    touch()         - move chunks to the young end of the LRU
+
+Databases (all keys and values are fixed-layout bytes, see the ``_*_FMT``):
+    keys    16-byte block key -> chunk id u64, row u32   (the block's home)
+    chunks  chunk id u64 BE   -> ChunkRecord              (one per published chunk)
+    lru     last access ns u64 BE + chunk id u64 BE -> '' (eviction order)
+    meta    b"schema" -> SCHEMA, b"total_bytes" -> u64    (global capacity ledger)
+
+The index is a cache of what the chunk files say; :mod:`.recovery` rebuilds it.
+Why LMDB and not SQLite: docs/design.md (measured 256-key lookups and commits).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import lmdb
+
+from npukv_store.errors import FormatError
+
+SCHEMA = b"npukv-index-1"
+_LOC_FMT = struct.Struct("<QI")  # keys db value: chunk id, row
+_REC_FMT = struct.Struct("<16sQIIQQ")  # ns, size, rows, live rows, last ns, created ns
+_LRU_FMT = struct.Struct(">QQ")  # big-endian so byte order is time order
+_U64 = struct.Struct("<Q")
+_CID = struct.Struct(">Q")
+
+_ENVS_LOCK = threading.Lock()
+_ENVS: dict[str, tuple[int, lmdb.Environment, int]] = {}  # path -> (pid, env, refs)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRecord:
+    """One published chunk, as the index knows it."""
+
+    chunk_id: int
+    namespace: bytes
+    size_bytes: int
+    num_rows: int
+    live_rows: int
+    last_access_ns: int
+    created_ns: int
+    keys: tuple[bytes, ...]
+
+    def pack(self) -> bytes:
+        head = _REC_FMT.pack(
+            self.namespace,
+            self.size_bytes,
+            self.num_rows,
+            self.live_rows,
+            self.last_access_ns,
+            self.created_ns,
+        )
+        return head + b"".join(self.keys)
+
+    @classmethod
+    def unpack(cls, chunk_id: int, raw: bytes) -> ChunkRecord:
+        ns, size, rows, live, last, created = _REC_FMT.unpack_from(raw)
+        blob = raw[_REC_FMT.size :]
+        keys = tuple(blob[i : i + 16] for i in range(0, len(blob), 16))
+        return cls(chunk_id, ns, size, rows, live, last, created, keys)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What :meth:`Index.commit_chunk` did: rows won, and chunks evicted for room."""
+
+    live_rows: int
+    rejected: bool
+    victims: tuple[ChunkRecord, ...]
+
+
+def _open_env(path: str, map_size: int, sync: bool) -> lmdb.Environment:
+    """The process's environment for ``path``; reopened after a fork."""
+    with _ENVS_LOCK:
+        entry = _ENVS.get(path)
+        if entry is not None and entry[0] == os.getpid():
+            _ENVS[path] = (entry[0], entry[1], entry[2] + 1)
+            return entry[1]
+        env = lmdb.open(
+            path,
+            subdir=True,
+            map_size=map_size,
+            max_dbs=8,
+            max_readers=1024,
+            sync=sync,
+            metasync=sync,
+            readahead=False,
+            meminit=False,
+        )
+        env.reader_check()  # free slots of readers killed without closing
+        _ENVS[path] = (os.getpid(), env, 1)
+        return env
+
+
+def _release_env(path: str) -> None:
+    with _ENVS_LOCK:
+        entry = _ENVS.get(path)
+        if entry is None or entry[0] != os.getpid():
+            return
+        if entry[2] > 1:
+            _ENVS[path] = (entry[0], entry[1], entry[2] - 1)
+            return
+        del _ENVS[path]
+        entry[1].close()
+
+
+class Index:
+    """A handle on the shared LMDB index of one cache directory."""
+
+    def __init__(self, path: str, *, map_size: int, sync: bool) -> None:
+        """Open (creating if needed) the index at ``path``.
+
+        Raises:
+            FormatError: the environment exists but is unreadable or of another
+                schema; recovery then rebuilds it from the chunks.
+        """
+        self.path = path
+        try:
+            self._env = _open_env(path, map_size, sync)
+        except lmdb.Error as exc:
+            raise FormatError(f"{path}: index unreadable ({exc})") from exc
+        try:
+            self._keys = self._env.open_db(b"keys")
+            self._chunks = self._env.open_db(b"chunks")
+            self._lru = self._env.open_db(b"lru")
+            self._meta = self._env.open_db(b"meta")
+            with self._env.begin(write=True, db=self._meta) as txn:
+                schema = txn.get(b"schema")
+                if schema is None:
+                    txn.put(b"schema", SCHEMA)
+                    txn.put(b"total_bytes", _U64.pack(0))
+        except lmdb.Error as exc:
+            self.close()
+            raise FormatError(f"{path}: index unreadable ({exc})") from exc
+        if schema not in (None, SCHEMA):
+            self.close()
+            raise FormatError(f"{path}: index schema {schema!r}, expected {SCHEMA!r}")
+
+    def close(self) -> None:
+        """Release this handle; the environment closes with its last handle."""
+        if getattr(self, "_env", None) is not None:
+            _release_env(self.path)
+            self._env = None
+
+    # -- reads: never blocked by writers (MVCC snapshot) -----------------------
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> tuple[int, set[bytes]]:
+        """Length of the longest stored prefix of ``keys`` and its chunk ids.
+
+        The chunk ids are raw 8-byte little-endian values, for :meth:`touch`.
+        """
+        with self._env.begin(db=self._keys) as txn:
+            found = txn.cursor().getmulti(keys)
+        count = len(found)
+        if [k for k, _ in found] != list(keys[:count]):
+            count = next(i for i, (k, _) in enumerate(found) if k != keys[i])
+        return count, {v[:8] for _, v in found[:count]}
+
+    def locate(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
+        """``(chunk id, row)`` of each key, or None where it is not stored."""
+        with self._env.begin(db=self._keys) as txn:
+            found = dict(txn.cursor().getmulti(keys))
+        return [
+            _LOC_FMT.unpack(found[k]) if k in found else None  # type: ignore[misc]
+            for k in keys
+        ]
+
+    def chunk(self, chunk_id: int) -> ChunkRecord | None:
+        """The record of a published chunk, or None."""
+        with self._env.begin(db=self._chunks) as txn:
+            raw = txn.get(_CID.pack(chunk_id))
+        return None if raw is None else ChunkRecord.unpack(chunk_id, raw)
+
+    def iter_chunks(self) -> Iterator[ChunkRecord]:
+        """Every published chunk (one consistent snapshot)."""
+        with self._env.begin(db=self._chunks) as txn:
+            for raw_id, raw in txn.cursor():
+                yield ChunkRecord.unpack(_CID.unpack(raw_id)[0], raw)
+
+    def iter_keys(self) -> Iterator[tuple[bytes, int, int]]:
+        """Every ``(key, chunk id, row)`` (one consistent snapshot)."""
+        with self._env.begin(db=self._keys) as txn:
+            for key, raw in txn.cursor():
+                chunk_id, row = _LOC_FMT.unpack(raw)
+                yield bytes(key), chunk_id, row
+
+    def iter_lru(self) -> Iterator[tuple[int, int]]:
+        """Every ``(last access ns, chunk id)``, oldest first."""
+        with self._env.begin(db=self._lru) as txn:
+            for raw, _ in txn.cursor():
+                yield _LRU_FMT.unpack(raw)
+
+    def totals(self) -> tuple[int, int, int]:
+        """``(total bytes, chunks, keys)`` from the ledger and the db sizes."""
+        with self._env.begin() as txn:
+            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+            return (
+                total,
+                txn.stat(self._chunks)["entries"],
+                txn.stat(self._keys)["entries"],
+            )
+
+    # -- writes: one short LMDB transaction each ------------------------------
+
+    def commit_chunk(
+        self,
+        record: ChunkRecord,
+        *,
+        capacity_bytes: int,
+        grace_ns: int,
+        touched: Iterable[bytes] = (),
+    ) -> CommitResult:
+        """Publish ``record``: each key absent from the index gets this chunk's row.
+
+        Keys already stored keep their home (first commit wins) and this chunk's
+        row is dead space. If the chunk wins no row, nothing is published. To stay
+        within ``capacity_bytes``, chunks are evicted oldest first, skipping those
+        touched within ``grace_ns``; if that cannot make room the chunk is
+        rejected (a cache may refuse; it must not overflow). ``touched`` chunk ids
+        (from lookups) are refreshed in the same transaction.
+        """
+        with self._env.begin(write=True) as txn:
+            self._touch_in(txn, touched, record.last_access_ns)
+            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+            victims = self._pick_victims(
+                txn, total + record.size_bytes - capacity_bytes,
+                record.last_access_ns - grace_ns,
+            )
+            if victims is None:
+                return CommitResult(0, True, ())
+            # Victims go first: a key whose home is a victim is then free for
+            # this chunk, instead of vanishing from the index with the victim.
+            for victim in victims:
+                self._unpublish_in(txn, victim)
+                total -= victim.size_bytes
+            live = 0
+            for row, key in enumerate(record.keys):
+                live += txn.put(
+                    key, _LOC_FMT.pack(record.chunk_id, row), overwrite=False,
+                    db=self._keys,
+                )
+            if live == 0:
+                txn.abort()  # nothing won: evicting for it would be pure loss
+                return CommitResult(0, False, ())
+            rec = replace(record, live_rows=live)
+            txn.put(_CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
+            txn.put(_LRU_FMT.pack(rec.last_access_ns, rec.chunk_id), b"", db=self._lru)
+            txn.put(b"total_bytes", _U64.pack(total + rec.size_bytes), db=self._meta)
+        return CommitResult(live, False, tuple(victims))
+
+    def remove_chunks(self, chunk_ids: Iterable[int]) -> list[ChunkRecord]:
+        """Unpublish chunks; returns their records so the caller can unlink files."""
+        removed: list[ChunkRecord] = []
+        with self._env.begin(write=True) as txn:
+            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+            for chunk_id in chunk_ids:
+                raw = txn.get(_CID.pack(chunk_id), db=self._chunks)
+                if raw is None:
+                    continue
+                record = ChunkRecord.unpack(chunk_id, raw)
+                self._unpublish_in(txn, record)
+                total -= record.size_bytes
+                removed.append(record)
+            txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
+        return removed
+
+    def touch(self, chunk_ids: Iterable[bytes], now_ns: int) -> None:
+        """Mark chunks (8-byte little-endian ids) as used at ``now_ns``."""
+        with self._env.begin(write=True) as txn:
+            self._touch_in(txn, chunk_ids, now_ns)
+
+    def _touch_in(self, txn: lmdb.Transaction, chunk_ids: Iterable[bytes], now_ns: int) -> None:
+        for raw_id in chunk_ids:
+            chunk_id = _U64.unpack(raw_id)[0]
+            cid = _CID.pack(chunk_id)
+            raw = txn.get(cid, db=self._chunks)
+            if raw is None:
+                continue  # evicted since the lookup: nothing to refresh
+            record = ChunkRecord.unpack(chunk_id, raw)
+            if record.last_access_ns >= now_ns:
+                continue
+            txn.delete(_LRU_FMT.pack(record.last_access_ns, chunk_id), db=self._lru)
+            txn.put(_LRU_FMT.pack(now_ns, chunk_id), b"", db=self._lru)
+            txn.put(cid, replace(record, last_access_ns=now_ns).pack(), db=self._chunks)
+
+    def _pick_victims(
+        self, txn: lmdb.Transaction, excess: int, young_after_ns: int
+    ) -> list[ChunkRecord] | None:
+        """Oldest chunks whose sizes cover ``excess`` bytes; None if impossible."""
+        victims: list[ChunkRecord] = []
+        if excess <= 0:
+            return victims
+        for raw, _ in txn.cursor(db=self._lru):
+            last_ns, chunk_id = _LRU_FMT.unpack(raw)
+            if last_ns > young_after_ns:
+                return None  # the rest is younger still: refuse, don't evict hot data
+            record = ChunkRecord.unpack(chunk_id, txn.get(_CID.pack(chunk_id), db=self._chunks))
+            victims.append(record)
+            excess -= record.size_bytes
+            if excess <= 0:
+                return victims
+        return None
+
+    def _unpublish_in(self, txn: lmdb.Transaction, record: ChunkRecord) -> None:
+        for row, key in enumerate(record.keys):
+            if txn.get(key, db=self._keys) == _LOC_FMT.pack(record.chunk_id, row):
+                txn.delete(key, db=self._keys)  # only rows this chunk is home of
+        txn.delete(_LRU_FMT.pack(record.last_access_ns, record.chunk_id), db=self._lru)
+        txn.delete(_CID.pack(record.chunk_id), db=self._chunks)

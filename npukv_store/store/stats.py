@@ -1,0 +1,65 @@
+"""Result and statistics values of the store.
+
+Runs in: any process. ``StoreCounters`` is per handle and thread-safe; the
+directory-wide figures come from the index.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+_COUNTERS = (
+    "puts",
+    "put_blocks",
+    "put_bytes",
+    "skipped_blocks",
+    "rejected_blocks",
+    "evicted_chunks",
+    "lookups",
+    "lookup_blocks",
+    "hit_blocks",
+    "read_blocks",
+    "read_bytes",
+    "read_misses",
+    "read_errors",
+    "checksum_errors",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """Rows of one put: stored, skipped (already stored or in flight), rejected
+    (no room: every evictable chunk was touched within the grace period)."""
+
+    stored: int
+    skipped: int
+    rejected: int
+
+
+class StoreCounters:
+    """Monotonic per-handle counters (see ``_COUNTERS`` for the names)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(_COUNTERS, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Directory-wide totals plus this handle's counters."""
+
+    total_bytes: int
+    capacity_bytes: int
+    num_chunks: int
+    num_blocks: int
+    counters: dict[str, int] = field(default_factory=dict)
