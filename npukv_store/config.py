@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from npukv_store.errors import ConfigError
 
@@ -86,7 +86,7 @@ def _parse_number(value: object, key: str, kind: type[int] | type[float]) -> Any
     if isinstance(value, bool):
         raise ConfigError(f"{key}: found bool {value!r}, expected a {kind.__name__}")
     try:
-        return kind(value)  # type: ignore[arg-type]
+        return kind(cast(Any, value))
     except (TypeError, ValueError):
         raise ConfigError(
             f"{key}: found {value!r}, expected a {kind.__name__}"
@@ -130,7 +130,9 @@ class StoreConfig:
     )
     verify: str = field(
         default="always",
-        metadata=_doc("always: check block checksums on every read; never: trust disk."),
+        metadata=_doc(
+            "always: check block checksums on every read; never: trust disk."
+        ),
     )
     layerwise: str = field(
         default="auto", metadata=_doc("Per-layer save/load: auto, on or off.")
@@ -154,7 +156,9 @@ class StoreConfig:
     )
     tmp_max_age_s: float = field(
         default=3600.0,
-        metadata=_doc("Seconds after which a tmp/ file is garbage even if its pid lives."),
+        metadata=_doc(
+            "Seconds after which a tmp/ file is garbage even if its pid lives."
+        ),
     )
 
     def __post_init__(self) -> None:

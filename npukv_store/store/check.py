@@ -45,12 +45,16 @@ def check_store(
     lru = dict((cid, ns) for ns, cid in index.iter_lru())
     expected_lru = {cid: r.last_access_ns for cid, r in records.items()}
     if lru != expected_lru:
-        problems.append(f"LRU has {len(lru)} entries, {len(expected_lru)} chunk records")
+        problems.append(
+            f"LRU has {len(lru)} entries, {len(expected_lru)} chunk records"
+        )
     homes: Counter[int] = Counter()
     for key, chunk_id, row in index.iter_keys():
         record = records.get(chunk_id)
         if record is None or row >= record.num_rows or record.keys[row] != key:
-            problems.append(f"key {key.hex()} points to chunk {chunk_id:016x} row {row}")
+            problems.append(
+                f"key {key.hex()} points to chunk {chunk_id:016x} row {row}"
+            )
         homes[chunk_id] += 1
     for chunk_id, record in records.items():
         if homes[chunk_id] != record.live_rows:
@@ -63,7 +67,9 @@ def check_store(
     return problems
 
 
-def _check_chunk_file(cdir: CacheDir, record: ChunkRecord, verify_data: bool) -> list[str]:
+def _check_chunk_file(
+    cdir: CacheDir, record: ChunkRecord, verify_data: bool
+) -> list[str]:
     path = cdir.chunk_path(record.namespace.hex(), record.chunk_id)
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -96,7 +102,9 @@ def _verify_rows(fd: int, header: ChunkHeader) -> list[str]:
     return problems
 
 
-def _check_leftovers(cdir: CacheDir, index: Index, config: StoreConfig, fix: bool) -> list[str]:
+def _check_leftovers(
+    cdir: CacheDir, index: Index, config: StoreConfig, fix: bool
+) -> list[str]:
     garbage = cdir.garbage_tmp(config.tmp_max_age_s)
     orphans = recovery.scan_orphans(cdir, index, config.tmp_max_age_s).removable
     if fix:
@@ -104,4 +112,6 @@ def _check_leftovers(cdir: CacheDir, index: Index, config: StoreConfig, fix: boo
             with contextlib.suppress(FileNotFoundError):  # removed concurrently
                 os.unlink(path)
         return []
-    return [f"tmp garbage {p}" for p in garbage] + [f"orphan chunk {p}" for p in orphans]
+    return [f"tmp garbage {p}" for p in garbage] + [
+        f"orphan chunk {p}" for p in orphans
+    ]

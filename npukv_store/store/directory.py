@@ -113,7 +113,9 @@ class CacheDir:
             with open(marker, encoding="utf-8") as handle:
                 body = json.load(handle)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BadMagic(f"{marker}: not JSON ({exc}); expected an npukv marker") from None
+            raise BadMagic(
+                f"{marker}: not JSON ({exc}); expected an npukv marker"
+            ) from None
         if not isinstance(body, dict) or body.get("magic") != MARKER_MAGIC:
             raise BadMagic(f"{marker}: no magic {MARKER_MAGIC!r}; not an npukv cache")
         if body.get("format_version") != FORMAT_VERSION:
@@ -137,10 +139,16 @@ class CacheDir:
         return os.path.join(self.root, namespace)
 
     def chunk_path(self, namespace: str, chunk_id: int) -> str:
-        return os.path.join(self.root, namespace, "chunks", f"{chunk_id:016x}.safetensors")
+        return os.path.join(
+            self.root, namespace, "chunks", f"{chunk_id:016x}.safetensors"
+        )
 
     def tmp_path(self, chunk_tag: int | str) -> str:
-        tag = f"{chunk_tag:016x}" if isinstance(chunk_tag, int) else chunk_tag.encode().hex()
+        tag = (
+            f"{chunk_tag:016x}"
+            if isinstance(chunk_tag, int)
+            else chunk_tag.encode().hex()
+        )
         return os.path.join(self.tmp_dir, f"{os.getpid()}-{tag}.tmp")
 
     def namespaces(self) -> list[str]:

@@ -188,7 +188,11 @@ def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
 
 
 def parse_header(
-    fd: int, path: str, *, namespace: str | None = None, spec: NamespaceSpec | None = None
+    fd: int,
+    path: str,
+    *,
+    namespace: str | None = None,
+    spec: NamespaceSpec | None = None,
 ) -> ChunkHeader:
     """Read and validate the header and checksum table of the chunk open on ``fd``.
 
@@ -220,7 +224,9 @@ def parse_header(
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise BadMagic(f"{path}: header is not JSON ({exc}); expected a chunk") from None
+        raise BadMagic(
+            f"{path}: header is not JSON ({exc}); expected a chunk"
+        ) from None
     if not isinstance(body, dict):
         raise BadMagic(f"{path}: header is {type(body).__name__}, expected an object")
     meta = _check_metadata(body.pop("__metadata__", None), path, namespace)
@@ -253,7 +259,9 @@ def parse_header(
 
 def _check_metadata(meta: object, path: str, namespace: str | None) -> dict[str, str]:
     if not isinstance(meta, dict) or META_FORMAT not in meta:
-        raise BadMagic(f"{path}: no {META_FORMAT!r} in __metadata__; not an npukv chunk")
+        raise BadMagic(
+            f"{path}: no {META_FORMAT!r} in __metadata__; not an npukv chunk"
+        )
     if meta[META_FORMAT] != str(FORMAT_VERSION):
         raise VersionMismatch(
             f"{path}: format version {meta[META_FORMAT]!r}, expected "
@@ -280,7 +288,11 @@ def _check_tensors(
     for name, info in body.items():
         if not isinstance(info, dict):
             raise CorruptChunk(f"{path}: tensor {name!r} is not an object")
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        dtype, shape, offsets = (
+            info.get("dtype"),
+            info.get("shape"),
+            info.get("data_offsets"),
+        )
         if dtype not in DTYPE_SIZES:
             raise CorruptChunk(f"{path}: tensor {name!r} has dtype {dtype!r}")
         if not (
@@ -309,7 +321,13 @@ def _check_tensors(
                 f"{offsets[1] - offsets[0]}"
             )
         entries.append(
-            TensorEntry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+            TensorEntry(
+                name,
+                dtype,
+                tuple(shape),
+                data_start + offsets[0],
+                data_start + offsets[1],
+            )
         )
     entries.sort(key=lambda e: (e.begin, e.end))
     cursor = data_start
@@ -360,7 +378,8 @@ def _group_layers(
     ):
         raise CorruptChunk(
             f"{path}: {CHECKSUM_TENSOR} is {checksum_entry.dtype} "
-            f"{list(checksum_entry.shape)}, expected U64 [{num_blocks}, {len(layer_names)}]"
+            f"{list(checksum_entry.shape)}, expected U64 "
+            f"[{num_blocks}, {len(layer_names)}]"
         )
     groups: dict[str, list[TensorEntry]] = {name: [] for name in layer_names}
     order: list[str] = []

@@ -70,9 +70,9 @@ class ChunkRecord:
         return head + b"".join(self.keys)
 
     @classmethod
-    def unpack(cls, chunk_id: int, raw: bytes) -> ChunkRecord:
+    def unpack(cls, chunk_id: int, raw: bytes | memoryview) -> ChunkRecord:
         ns, size, rows, live, last, created = _REC_FMT.unpack_from(raw)
-        blob = raw[_REC_FMT.size :]
+        blob = bytes(raw[_REC_FMT.size :])
         keys = tuple(blob[i : i + 16] for i in range(0, len(blob), 16))
         return cls(chunk_id, ns, size, rows, live, last, created, keys)
 
@@ -132,8 +132,10 @@ class Index:
                 schema; recovery then rebuilds it from the chunks.
         """
         self.path = path
+        self._released = True
         try:
             self._env = _open_env(path, map_size, sync)
+            self._released = False
         except lmdb.Error as exc:
             raise FormatError(f"{path}: index unreadable ({exc})") from exc
         try:
@@ -155,9 +157,9 @@ class Index:
 
     def close(self) -> None:
         """Release this handle; the environment closes with its last handle."""
-        if getattr(self, "_env", None) is not None:
+        if not getattr(self, "_released", True):
+            self._released = True
             _release_env(self.path)
-            self._env = None
 
     # -- reads: never blocked by writers (MVCC snapshot) -----------------------
 
@@ -177,10 +179,7 @@ class Index:
         """``(chunk id, row)`` of each key, or None where it is not stored."""
         with self._env.begin(db=self._keys) as txn:
             found = dict(txn.cursor().getmulti(keys))
-        return [
-            _LOC_FMT.unpack(found[k]) if k in found else None  # type: ignore[misc]
-            for k in keys
-        ]
+        return [_LOC_FMT.unpack(found[k]) if k in found else None for k in keys]
 
     def chunk(self, chunk_id: int) -> ChunkRecord | None:
         """The record of a published chunk, or None."""
@@ -210,7 +209,7 @@ class Index:
     def totals(self) -> tuple[int, int, int]:
         """``(total bytes, chunks, keys)`` from the ledger and the db sizes."""
         with self._env.begin() as txn:
-            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+            total = _total(txn, self._meta)
             return (
                 total,
                 txn.stat(self._chunks)["entries"],
@@ -238,9 +237,10 @@ class Index:
         """
         with self._env.begin(write=True) as txn:
             self._touch_in(txn, touched, record.last_access_ns)
-            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+            total = _total(txn, self._meta)
             victims = self._pick_victims(
-                txn, total + record.size_bytes - capacity_bytes,
+                txn,
+                total + record.size_bytes - capacity_bytes,
                 record.last_access_ns - grace_ns,
             )
             if victims is None:
@@ -253,7 +253,9 @@ class Index:
             live = 0
             for row, key in enumerate(record.keys):
                 live += txn.put(
-                    key, _LOC_FMT.pack(record.chunk_id, row), overwrite=False,
+                    key,
+                    _LOC_FMT.pack(record.chunk_id, row),
+                    overwrite=False,
                     db=self._keys,
                 )
             if live == 0:
@@ -269,7 +271,7 @@ class Index:
         """Unpublish chunks; returns their records so the caller can unlink files."""
         removed: list[ChunkRecord] = []
         with self._env.begin(write=True) as txn:
-            total = _U64.unpack(txn.get(b"total_bytes", db=self._meta))[0]
+            total = _total(txn, self._meta)
             for chunk_id in chunk_ids:
                 raw = txn.get(_CID.pack(chunk_id), db=self._chunks)
                 if raw is None:
@@ -286,7 +288,9 @@ class Index:
         with self._env.begin(write=True) as txn:
             self._touch_in(txn, chunk_ids, now_ns)
 
-    def _touch_in(self, txn: lmdb.Transaction, chunk_ids: Iterable[bytes], now_ns: int) -> None:
+    def _touch_in(
+        self, txn: lmdb.Transaction, chunk_ids: Iterable[bytes], now_ns: int
+    ) -> None:
         for raw_id in chunk_ids:
             chunk_id = _U64.unpack(raw_id)[0]
             cid = _CID.pack(chunk_id)
@@ -311,7 +315,9 @@ class Index:
             last_ns, chunk_id = _LRU_FMT.unpack(raw)
             if last_ns > young_after_ns:
                 return None  # the rest is younger still: refuse, don't evict hot data
-            record = ChunkRecord.unpack(chunk_id, txn.get(_CID.pack(chunk_id), db=self._chunks))
+            record = ChunkRecord.unpack(
+                chunk_id, txn.get(_CID.pack(chunk_id), db=self._chunks) or b""
+            )
             victims.append(record)
             excess -= record.size_bytes
             if excess <= 0:
@@ -324,3 +330,9 @@ class Index:
                 txn.delete(key, db=self._keys)  # only rows this chunk is home of
         txn.delete(_LRU_FMT.pack(record.last_access_ns, record.chunk_id), db=self._lru)
         txn.delete(_CID.pack(record.chunk_id), db=self._chunks)
+
+
+def _total(txn: lmdb.Transaction, meta: lmdb._Database) -> int:
+    raw = txn.get(b"total_bytes", db=meta)
+    assert raw is not None, "meta db lacks total_bytes: written at creation"
+    return int(_U64.unpack(raw)[0])

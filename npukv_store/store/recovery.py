@@ -50,7 +50,9 @@ def open_index(cdir: CacheDir, *, map_size: int, sync: bool) -> Index:
         try:
             return Index(cdir.index_path, map_size=map_size, sync=sync)
         except FormatError:
-            logger.warning("index %s unreadable; rebuilding", cdir.index_path, exc_info=True)
+            logger.warning(
+                "index %s unreadable; rebuilding", cdir.index_path, exc_info=True
+            )
     elif cdir.namespaces():
         logger.warning("index %s missing; rebuilding from chunk files", cdir.index_path)
     return rebuild_index(cdir, map_size=map_size, sync=sync)

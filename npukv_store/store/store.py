@@ -44,7 +44,7 @@ from npukv_store.store.format import (
     layer_checksum,
     parse_header,
 )
-from npukv_store.store.index import ChunkRecord, Index
+from npukv_store.store.index import ChunkRecord
 from npukv_store.store.stats import PutResult, StoreCounters, StoreStats
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,9 @@ class KVStore:
         return self.config.fsync == "chunk"
 
     def _ensure_namespace_dir(self) -> None:
-        os.makedirs(os.path.join(self.dir.ns_dir(self.namespace), "chunks"), exist_ok=True)
+        os.makedirs(
+            os.path.join(self.dir.ns_dir(self.namespace), "chunks"), exist_ok=True
+        )
         path = os.path.join(self.dir.ns_dir(self.namespace), "namespace.json")
         text = self.spec.canonical_json()
         try:
@@ -121,7 +123,9 @@ class KVStore:
             self._touch_thread = None
             self._open()
 
-    def keys_for(self, tokens: Sequence[int] | np.ndarray, extra: bytes = b"") -> list[bytes]:
+    def keys_for(
+        self, tokens: Sequence[int] | np.ndarray, extra: bytes = b""
+    ) -> list[bytes]:
         """Block keys of ``tokens`` in this namespace (full blocks only)."""
         return chain_hashes(tokens, self.spec.block_size, self.fingerprint, extra)
 
@@ -154,13 +158,17 @@ class KVStore:
             with self._lock:
                 self._in_flight.difference_update(keys[i] for i in fresh)
 
-    def _input_rows(self, keys: Sequence[bytes], tensors: Mapping[str, object]) -> dict[str, np.ndarray]:
+    def _input_rows(
+        self, keys: Sequence[bytes], tensors: Mapping[str, object]
+    ) -> dict[str, np.ndarray]:
         if not keys or any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
             raise ValueError("keys: expected a non-empty list of 16-byte keys")
         expected = self.spec.tensor_names()
         if sorted(tensors) != sorted(expected):
             raise ValueError(f"tensors: found {sorted(tensors)}, expected {expected}")
-        parts = {f"{lay.name}.{p.name}": p for lay in self.spec.layers for p in lay.parts}
+        parts = {
+            f"{lay.name}.{p.name}": p for lay in self.spec.layers for p in lay.parts
+        }
         return {n: byte_rows(tensors[n], parts[n], len(keys), n) for n in expected}
 
     def _claim(self, keys: Sequence[bytes]) -> list[int]:
@@ -169,13 +177,19 @@ class KVStore:
         fresh, seen = [], set()
         with self._lock:
             for i, key in enumerate(keys):
-                if locations[i] is None and key not in self._in_flight and key not in seen:
+                if (
+                    locations[i] is None
+                    and key not in self._in_flight
+                    and key not in seen
+                ):
                     fresh.append(i)
                     seen.add(key)
             self._in_flight.update(seen)
         return fresh
 
-    def _put_claimed(self, keys: Sequence[bytes], rows: dict[str, np.ndarray], fresh: list[int]) -> PutResult:
+    def _put_claimed(
+        self, keys: Sequence[bytes], rows: dict[str, np.ndarray], fresh: list[int]
+    ) -> PutResult:
         skipped = len(keys) - len(fresh)
         if not fresh:
             self.counters.add(skipped_blocks=skipped)
@@ -187,7 +201,16 @@ class KVStore:
         path = self.dir.chunk_path(self.namespace, chunk_id)
         created = time.time_ns()
         size = self._write_chunk(chunk_id, keys, rows, path, created)
-        record = ChunkRecord(chunk_id, self.fingerprint, size, len(keys), 0, created, created, tuple(keys))
+        record = ChunkRecord(
+            chunk_id,
+            self.fingerprint,
+            size,
+            len(keys),
+            0,
+            created,
+            created,
+            tuple(keys),
+        )
         try:
             result = self.index.commit_chunk(
                 record,
@@ -212,16 +235,33 @@ class KVStore:
             rejected_blocks=rejected,
             evicted_chunks=len(result.victims),
         )
-        return PutResult(stored=stored, skipped=len(keys) - stored - rejected + skipped, rejected=rejected)
+        return PutResult(
+            stored=stored,
+            skipped=len(keys) - stored - rejected + skipped,
+            rejected=rejected,
+        )
 
-    def _write_chunk(self, chunk_id: int, keys: Sequence[bytes], rows: dict[str, np.ndarray], path: str, created: int) -> int:
+    def _write_chunk(
+        self,
+        chunk_id: int,
+        keys: Sequence[bytes],
+        rows: dict[str, np.ndarray],
+        path: str,
+        created: int,
+    ) -> int:
         """Write the chunk under tmp/, fsync per policy, rename into place."""
-        views = {name: memoryview(np.ascontiguousarray(v)).cast("B") for name, v in rows.items()}
+        views = {
+            name: np.ascontiguousarray(v).data.cast("B") for name, v in rows.items()
+        }
         checksums = compute_checksums(self.spec, views, len(keys))
         header = encode_header(
-            self.spec, self.namespace, keys, creator=f"{os.getpid()}@{HOST}", created_ns=created
+            self.spec,
+            self.namespace,
+            keys,
+            creator=f"{os.getpid()}@{HOST}",
+            created_ns=created,
         )
-        buffers = [memoryview(header), *views.values(), memoryview(checksums).cast("B")]
+        buffers = [memoryview(header), *views.values(), checksums.data.cast("B")]
         tmp = self.dir.tmp_path(chunk_id)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -281,7 +321,9 @@ class KVStore:
         )
         return ok
 
-    def _output_rows(self, keys: Sequence[bytes], out: Mapping[str, object]) -> tuple[list[int], dict[str, np.ndarray]]:
+    def _output_rows(
+        self, keys: Sequence[bytes], out: Mapping[str, object]
+    ) -> tuple[list[int], dict[str, np.ndarray]]:
         layers, dest = [], {}
         for li, layer in enumerate(self.spec.layers):
             names = layer.tensor_names()
@@ -291,10 +333,14 @@ class KVStore:
             if all(present):
                 layers.append(li)
                 for name, part in zip(names, layer.parts, strict=True):
-                    dest[name] = byte_rows(out[name], part, len(keys), name, writable=True)
+                    dest[name] = byte_rows(
+                        out[name], part, len(keys), name, writable=True
+                    )
         unknown = set(out) - set(dest)
         if unknown or not layers:
-            raise ValueError(f"out: found {sorted(out)}, expected tensor names of {self.namespace}")
+            raise ValueError(
+                f"out: found {sorted(out)}, expected tensor names of {self.namespace}"
+            )
         return layers, dest
 
     def _read_chunk(
@@ -315,7 +361,11 @@ class KVStore:
             header = self._header(chunk_id, fd, path)
             if header is None:
                 return []
-            items = [(i, r) for i, r in items if r < header.num_blocks and header.keys[r] == keys[i]]
+            items = [
+                (i, r)
+                for i, r in items
+                if r < header.num_blocks and header.keys[r] == keys[i]
+            ]
             segments = sorted(
                 (
                     (entry.begin + row * entry.row_bytes, i, dest[entry.name][i])
@@ -339,11 +389,14 @@ class KVStore:
             if i in failed:
                 continue
             if verify and not all(
-                layer_checksum([dest[e.name][i] for e in header.layers[li]]) == int(header.checksums[row, li])
+                layer_checksum([dest[e.name][i] for e in header.layers[li]])
+                == int(header.checksums[row, li])
                 for li in layers
             ):
                 self.counters.add(checksum_errors=1)
-                logger.warning("checksum mismatch in %s row %d: treated as a miss", path, row)
+                logger.warning(
+                    "checksum mismatch in %s row %d: treated as a miss", path, row
+                )
                 continue
             good.append(i)
         return good
@@ -424,7 +477,9 @@ class KVStore:
 
         self._check_fork()
         self.flush_touches()
-        return check_store(self.dir, self.index, self.config, verify_data=verify_data, fix=fix)
+        return check_store(
+            self.dir, self.index, self.config, verify_data=verify_data, fix=fix
+        )
 
     def close(self) -> None:
         """Flush touches and release the index. Idempotent."""
@@ -467,11 +522,15 @@ def _preadv_segments(fd: int, segments: list[tuple[int, int, np.ndarray]]) -> se
     while start < len(segments):
         offset = segments[start][0]
         end, cursor = start, offset
-        while end < len(segments) and end - start < _IOV_MAX and segments[end][0] == cursor:
+        while (
+            end < len(segments)
+            and end - start < _IOV_MAX
+            and segments[end][0] == cursor
+        ):
             cursor += segments[end][2].nbytes
             end += 1
         batch = segments[start:end]
-        if os.preadv(fd, [row for _, _, row in batch], offset) != cursor - offset:
+        if os.preadv(fd, [row.data for _, _, row in batch], offset) != cursor - offset:
             failed.update(i for _, i, _ in batch)  # short read: file truncated
         start = end
     return failed
