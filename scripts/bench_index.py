@@ -41,7 +41,6 @@ rows); ops/s = 1 / mean latency of the timed caller (lookups/s or chunks/s).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import multiprocessing as mp
@@ -54,8 +53,9 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache, partial
 from typing import Any, Final
 
 import lmdb
@@ -227,7 +227,7 @@ def sqlite_per_key(con: sqlite3.Connection, keys: Sequence[bytes]) -> list[Loc]:
     return out
 
 
-@functools.lru_cache(maxsize=8)
+@lru_cache(maxsize=8)
 def _in_sql(n: int) -> str:
     # Same text for the same n, so sqlite3's statement cache reuses the plan.
     return f"SELECT key, chunk_id, row FROM keys WHERE key IN ({','.join('?' * n)})"
@@ -288,26 +288,36 @@ def chain(keys: list[bytes], start: int) -> list[bytes]:
 
 
 def time_lookups(
-    fn: Callable[[Sequence[bytes]], list[Loc]],
+    fns: Mapping[str, Callable[[Sequence[bytes]], list[Loc]]],
     keys: list[bytes],
     n: int,
     seed: int,
     deadline_s: float = math.inf,
-) -> list[int]:
-    """Latencies (ns) of n random chain lookups, after WARMUP untimed ones."""
-    rnd = random.Random(seed)
+) -> dict[str, list[int]]:
+    """Latencies (ns) of n random chain lookups per method, after WARMUP untimed.
+
+    Methods are interleaved call by call in a shuffled order, so drift in host
+    speed (this is a shared VM) lands on all of them alike instead of on
+    whichever ran during a slow spell. Each method draws its own chains, so none
+    reads pages that another method warmed a moment before.
+    """
+    order = random.Random(seed)
+    names = list(fns)
+    rnds = {name: random.Random(seed + i) for i, name in enumerate(names)}
     last_start = len(keys) // ROWS_PER_CHUNK - CHAIN_CHUNKS
     stop_at = time.perf_counter() + deadline_s
-    lat: list[int] = []
+    lat: dict[str, list[int]] = {name: [] for name in names}
     for i in range(n + WARMUP):
-        ch = chain(keys, rnd.randint(0, last_start))
-        t0 = time.perf_counter_ns()
-        got = fn(ch)
-        t1 = time.perf_counter_ns()
-        if len(got) != CHAIN_KEYS:  # populated chains are always full hits
-            raise RuntimeError(f"lookup found {len(got)} of {CHAIN_KEYS} keys")
-        if i >= WARMUP:
-            lat.append(t1 - t0)
+        order.shuffle(names)
+        for name in names:
+            ch = chain(keys, rnds[name].randint(0, last_start))
+            t0 = time.perf_counter_ns()
+            got = fns[name](ch)
+            t1 = time.perf_counter_ns()
+            if len(got) != CHAIN_KEYS:  # populated chains are always full hits
+                raise RuntimeError(f"{name}: found {len(got)} of {CHAIN_KEYS} keys")
+            if i >= WARMUP:
+                lat[name].append(t1 - t0)
         if time.perf_counter() > stop_at:
             break
     return lat
@@ -363,9 +373,9 @@ def reader_proc(
             fn(h, chain(keys, rnd.randint(0, last_start)))
     else:
         n, deadline = measure
-        lat = time_lookups(lambda ch: fn(h, ch), keys, n, seed, deadline)
+        lat = time_lookups({case: partial(fn, h)}, keys, n, seed, deadline)
         stop.set()
-        out.put(("reader", lat))
+        out.put(("reader", lat[case]))
     close_index(kind, h)
 
 
@@ -422,11 +432,12 @@ class Config:
     n_lookups: int
     n_contended: int
     contended_deadline_s: float
+    contended_rounds: int  # rounds alternate the case order; samples are pooled
     writer_s: float
 
 
-FULL = Config(200_000, 3000, 2000, 10.0, 4.0)
-QUICK = Config(50_000, 500, 400, 3.0, 1.0)
+FULL = Config(200_000, 3000, 1000, 6.0, 2, 4.0)
+QUICK = Config(50_000, 500, 400, 2.0, 1, 1.0)
 
 
 def populate(kind: str, h: Any, keys: list[bytes]) -> float:
@@ -454,66 +465,77 @@ def phase_single(handles: dict[str, Any], keys: list[bytes], cfg: Config) -> lis
             out.append(loc)
         return out
 
-    rows = [
-        row(
-            "dict",
-            "in-process baseline",
-            "single",
-            time_lookups(dict_lookup, keys, cfg.n_lookups, SEED),
-        )
-    ]
-    for (kind, case), fn in LOOKUPS.items():
-        h = handles[kind]
-        lat = time_lookups(functools.partial(fn, h), keys, cfg.n_lookups, SEED)
-        rows.append(row(kind, case, "single", lat))
-    # Extra row: one read txn held across all lookups, i.e. no begin/end at all.
     ix = handles["lmdb"]
-    with ix.env.begin(db=ix.keys, buffers=LMDB_BUFFERS) as txn:
-        lat = time_lookups(
-            lambda ch: _getmulti_prefix(txn, ch), keys, cfg.n_lookups, SEED
-        )
-    rows.append(row("lmdb", "getmulti, held txn (extra)", "single", lat))
+    # Extra method: one read txn held across all lookups, i.e. no begin/end.
+    held = ix.env.begin(db=ix.keys, buffers=LMDB_BUFFERS)
+    fns = {"dict|in-process baseline": dict_lookup}
+    fns |= {f"{k}|{c}": partial(fn, handles[k]) for (k, c), fn in LOOKUPS.items()}
+    fns["lmdb|getmulti, held txn (extra)"] = partial(_getmulti_prefix, held)
+    try:
+        lat = time_lookups(fns, keys, cfg.n_lookups, SEED)
+    finally:
+        held.abort()
+    rows = []
+    for name, samples in lat.items():
+        kind, case = name.split("|")
+        rows.append(row(kind, case, "single", samples))
     return rows
 
 
 def phase_contended(
     handles: dict[str, Any], cfg: Config, root: str, ctx: Any
 ) -> list[Row]:
+    lat: dict[tuple[str, str], list[int]] = {kc: [] for kc in LOOKUPS}
+    wlat: dict[tuple[str, str], list[int]] = {kc: [] for kc in LOOKUPS}
+    cases = list(LOOKUPS)
+    for rnd in range(cfg.contended_rounds):
+        for i, (kind, case) in enumerate(cases if rnd % 2 == 0 else cases[::-1]):
+            path = os.path.join(root, f"contended{rnd}_{i}.{kind}")
+            snapshot(kind, handles[kind], path)
+            res = contended_case(kind, case, path, cfg, SEED + 10 * rnd, ctx)
+            lat[(kind, case)] += res["reader"]
+            wlat[(kind, case)] += res["writer"]
     rows = []
-    for i, (kind, case) in enumerate(LOOKUPS):
-        path = os.path.join(root, f"contended{i}.{kind}")
-        snapshot(kind, handles[kind], path)
-        barrier, stop, out = ctx.Barrier(5), ctx.Event(), ctx.Queue()
-        common = (kind, case, path, cfg.n_keys)
-        measure = (cfg.n_contended, cfg.contended_deadline_s)
-        procs = [
-            ctx.Process(
-                target=reader_proc,
-                args=(
-                    *common,
-                    SEED + r,
-                    barrier,
-                    stop,
-                    measure if r == 0 else None,
-                    out,
-                ),
-            )
-            for r in range(4)
-        ]
-        # Writer without per-commit fsync: it never sleeps in fsync, so readers
-        # see the most CPU and lock pressure a writer can create.
-        procs.append(
-            ctx.Process(
-                target=writer_proc,
-                args=(kind, path, False, 1 << 32, barrier, stop, math.inf, out),
-            )
-        )
-        res = run_procs(procs, out, 2, cfg.contended_deadline_s + 120, stop)
-        r = row(kind, case, "contended", res["reader"])
-        wl = res["writer"]
+    for (kind, case), samples in lat.items():
+        r = row(kind, case, "contended", samples)
+        wl = wlat[(kind, case)]
         r["writer_chunks_s"] = round(len(wl) / (sum(wl) / 1e9), 1) if wl else 0.0
         rows.append(r)
     return rows
+
+
+def contended_case(
+    kind: str, case: str, path: str, cfg: Config, seed: int, ctx: Any
+) -> dict[str, list[int]]:
+    """One measured reader + 3 background readers + 1 writer on one index copy."""
+    barrier, stop, out = ctx.Barrier(5), ctx.Event(), ctx.Queue()
+    measure = (cfg.n_contended, cfg.contended_deadline_s)
+    procs = [
+        ctx.Process(
+            target=reader_proc,
+            args=(
+                kind,
+                case,
+                path,
+                cfg.n_keys,
+                seed + r,
+                barrier,
+                stop,
+                measure if r == 0 else None,
+                out,
+            ),
+        )
+        for r in range(4)
+    ]
+    # Writer without per-commit fsync: it never sleeps in fsync, so readers see
+    # the most CPU and lock pressure a writer can create.
+    procs.append(
+        ctx.Process(
+            target=writer_proc,
+            args=(kind, path, False, 1 << 32, barrier, stop, math.inf, out),
+        )
+    )
+    return run_procs(procs, out, 2, cfg.contended_deadline_s + 120, stop)
 
 
 def phase_writer(

@@ -3,6 +3,7 @@
 Runs in: any process; pure functions plus ``pread`` on a caller's fd. Byte-level
 specification: ``docs/format.md``.
 
+    build_chunk()      - the buffers of a whole chunk file, in file order
     encode_header()    - the 8-byte length + JSON header, padded to 4096 bytes
     compute_checksums()- xxh3_64 per (block, layer) over the layer's parts
     parse_header()     - read and validate a chunk's header and checksum table
@@ -167,6 +168,32 @@ def compute_checksums(
                 digest.update(view[block * size : (block + 1) * size])
             out[block, col] = digest.intdigest()
     return out
+
+
+def build_chunk(
+    spec: NamespaceSpec,
+    namespace: str,
+    keys: Sequence[bytes],
+    rows: Mapping[str, memoryview],
+    *,
+    creator: str,
+    created_ns: int,
+) -> list[memoryview]:
+    """The buffers of a whole chunk file, in file order (no data copied).
+
+    Args:
+        rows: every tensor name of ``spec`` -> C-contiguous bytes of its
+            ``len(keys)`` rows.
+    """
+    checksums = compute_checksums(spec, rows, len(keys))
+    header = encode_header(
+        spec, namespace, keys, creator=creator, created_ns=created_ns
+    )
+    return [
+        memoryview(header),
+        *(rows[name] for name in spec.tensor_names()),
+        checksums.data.cast("B"),
+    ]
 
 
 def layer_checksum(parts: Sequence[memoryview]) -> int:

@@ -6,7 +6,7 @@ Thread-safe: LMDB read transactions are per thread, write transactions serialise
 on LMDB's robust process-shared mutex, so a writer killed mid-transaction leaves
 the last committed state and the lock is recovered by the next writer.
 
-    lookup_prefix() - longest stored prefix of a key chain (one C call, getmulti)
+    lookup_prefix() - longest stored prefix of a key chain
     locate()        - (chunk id, row) of each key
     commit_chunk()  - publish a chunk's rows, first commit wins, evict to capacity
     remove_chunks() - unpublish chunks (the caller unlinks their files after)
@@ -163,17 +163,20 @@ class Index:
 
     # -- reads: never blocked by writers (MVCC snapshot) -----------------------
 
-    def lookup_prefix(self, keys: Sequence[bytes]) -> tuple[int, set[bytes]]:
-        """Length of the longest stored prefix of ``keys`` and its chunk ids.
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        """Length of the longest stored prefix of ``keys``.
 
-        The chunk ids are raw 8-byte little-endian values, for :meth:`touch`.
+        A plain ``get`` loop: measured faster than ``Cursor.getmulti`` for
+        16-byte keys (docs/design.md), and it stops at the first miss.
         """
+        count = 0
         with self._env.begin(db=self._keys) as txn:
-            found = txn.cursor().getmulti(keys)
-        count = len(found)
-        if [k for k, _ in found] != list(keys[:count]):
-            count = next(i for i, (k, _) in enumerate(found) if k != keys[i])
-        return count, {v[:8] for _, v in found[:count]}
+            get = txn.get
+            for key in keys:
+                if get(key) is None:
+                    break
+                count += 1
+        return count
 
     def locate(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
         """``(chunk id, row)`` of each key, or None where it is not stored."""

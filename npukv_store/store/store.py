@@ -39,8 +39,7 @@ from npukv_store.store.arrays import byte_rows
 from npukv_store.store.directory import HOST, CacheDir
 from npukv_store.store.format import (
     ChunkHeader,
-    compute_checksums,
-    encode_header,
+    build_chunk,
     layer_checksum,
     parse_header,
 )
@@ -77,7 +76,8 @@ class KVStore:
         self._lock = threading.Lock()
         self._in_flight: set[bytes] = set()
         self._headers: OrderedDict[int, ChunkHeader] = OrderedDict()
-        self._touched: set[bytes] = set()
+        self._touched: set[bytes] = set()  # chunk ids (8 bytes LE) read
+        self._touched_keys: set[bytes] = set()  # keys found by lookups
         self._closed = threading.Event()
         self._touch_thread: threading.Thread | None = None
         self._open()
@@ -250,18 +250,14 @@ class KVStore:
         created: int,
     ) -> int:
         """Write the chunk under tmp/, fsync per policy, rename into place."""
-        views = {
-            name: np.ascontiguousarray(v).data.cast("B") for name, v in rows.items()
-        }
-        checksums = compute_checksums(self.spec, views, len(keys))
-        header = encode_header(
+        buffers = build_chunk(
             self.spec,
             self.namespace,
             keys,
+            {n: np.ascontiguousarray(v).data.cast("B") for n, v in rows.items()},
             creator=f"{os.getpid()}@{HOST}",
             created_ns=created,
         )
-        buffers = [memoryview(header), *views.values(), checksums.data.cast("B")]
         tmp = self.dir.tmp_path(chunk_id)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -284,8 +280,11 @@ class KVStore:
         """Number of leading ``keys`` that are stored (a hit is not a promise:
         the chunk may be evicted before it is read, which reads as a miss)."""
         self._check_fork()
-        count, chunk_ids = self.index.lookup_prefix(keys)
-        self._record_touches(chunk_ids)
+        count = self.index.lookup_prefix(keys)
+        if count:
+            with self._lock:  # resolved to chunk ids later, off the lookup path
+                self._touched_keys.update(keys[:count])
+            self._record_touches(set())
         self.counters.add(lookups=1, hit_blocks=count, lookup_blocks=len(keys))
         return count
 
@@ -422,8 +421,6 @@ class KVStore:
     # -- LRU touches -----------------------------------------------------------
 
     def _record_touches(self, chunk_ids: set[bytes]) -> None:
-        if not chunk_ids:
-            return
         with self._lock:
             self._touched |= chunk_ids
             if self._touch_thread is None:
@@ -435,6 +432,10 @@ class KVStore:
     def _take_touches(self) -> set[bytes]:
         with self._lock:
             touched, self._touched = self._touched, set()
+            keys, self._touched_keys = list(self._touched_keys), set()
+        for location in self.index.locate(keys) if keys else ():
+            if location is not None:
+                touched.add(location[0].to_bytes(8, "little"))
         return touched
 
     def _touch_loop(self) -> None:

@@ -1,0 +1,118 @@
+"""Bad input, end to end: each case is one clear error or a miss, never a crash
+and never wrong bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from npukv_store import (
+    BadMagic,
+    ConfigError,
+    KVStore,
+    StoreConfig,
+    VersionMismatch,
+)
+from tests.conftest import block_tensors, empty_like_blocks, tiny_spec
+
+
+def only_chunk(root, namespace):
+    chunks = os.path.join(root, namespace, "chunks")
+    (name,) = os.listdir(chunks)
+    return os.path.join(chunks, name)
+
+
+@pytest.fixture
+def filled(tmp_path):
+    """A directory holding one chunk of 4 blocks; returns (config, keys)."""
+    config = StoreConfig(cache_dir=str(tmp_path / "c"))
+    with KVStore(config, tiny_spec()) as store:
+        keys = store.keys_for(range(64))
+        store.put(keys, block_tensors(store.spec, keys))
+    return config, keys
+
+
+def test_foreign_format_version(filled):
+    config, _ = filled
+    marker = os.path.join(config.cache_dir, "NPUKV_STORE")
+    with open(marker) as handle:
+        body = json.load(handle)
+    body["format_version"] = 99
+    with open(marker, "w") as handle:
+        json.dump(body, handle)
+    with pytest.raises(VersionMismatch, match="format version 99, expected 1"):
+        KVStore(config, tiny_spec())
+    with open(marker, "w") as handle:
+        handle.write("not json")
+    with pytest.raises(BadMagic, match="expected an npukv marker"):
+        KVStore(config, tiny_spec())
+
+
+def test_chunk_of_another_namespace_is_a_miss(filled, tmp_path):
+    config, keys = filled
+    other_spec = tiny_spec(model="other-model")
+    with KVStore(config, other_spec) as other:
+        other_keys = other.keys_for(range(64))
+        other.put(other_keys, block_tensors(other_spec, other_keys))
+        mine = only_chunk(config.cache_dir, KVStore(config, tiny_spec()).namespace)
+        theirs = only_chunk(config.cache_dir, other.namespace)
+    os.replace(theirs, mine)  # the other model's bytes under my chunk's name
+    with KVStore(config, tiny_spec()) as store:
+        assert store.lookup(keys) == 4  # the index still says stored...
+        out = empty_like_blocks(store.spec, 4)
+        assert store.read(keys, out) == [False] * 4  # ...but reading refuses
+        assert store.stats().counters["read_errors"] == 1
+        assert any("namespace" in p for p in store.check())
+
+
+@pytest.mark.parametrize("damage", ["truncate_data", "truncate_header", "flip_data"])
+def test_truncated_or_corrupt_chunk_is_a_miss(filled, damage):
+    config, keys = filled
+    with KVStore(config, tiny_spec()) as store:
+        path = only_chunk(config.cache_dir, store.namespace)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as handle:
+        if damage == "truncate_data":
+            handle.truncate(size - 100)
+        elif damage == "truncate_header":
+            handle.truncate(100)
+        else:
+            handle.seek(4096 + 3 * 1024 + 7)  # inside layer 1 of block 0
+            byte = handle.read(1)
+            handle.seek(-1, os.SEEK_CUR)
+            handle.write(bytes([byte[0] ^ 0x40]))
+    with KVStore(config, tiny_spec()) as store:
+        out = empty_like_blocks(store.spec, 4)
+        ok = store.read(keys, out)
+        expected = block_tensors(store.spec, keys)
+        if damage == "flip_data":
+            assert ok.count(False) == 1
+            assert store.stats().counters["checksum_errors"]
+        else:
+            assert ok == [False] * 4
+        for i, hit in enumerate(ok):
+            for name, array in expected.items():
+                if hit:
+                    np.testing.assert_array_equal(out[name][i], array[i])
+        assert store.check(verify_data=True) != []
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"capcity": "1GiB"}, "unknown config key"),
+        ({"capacity": "-1GiB"}, "capacity: found '-1GiB'"),
+        ({"capacity": "much"}, "capacity: found 'much'"),
+    ],
+)
+def test_bad_config_stops_before_touching_disk(tmp_path, extra, match):
+    root = tmp_path / "never"
+    with pytest.raises(ConfigError, match=match):
+        KVStore(
+            StoreConfig.from_extra_config({"cache_dir": str(root), **extra}, env={}),
+            tiny_spec(),
+        )
+    assert not root.exists()

@@ -1,0 +1,78 @@
+"""StoreConfig: sizes, choices, env overrides, and one clear error per bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from npukv_store import ConfigError, StoreConfig, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4096", 4096),
+        ("64MiB", 64 << 20),
+        ("500GiB", 500 << 30),
+        ("1.5TB", 1_500_000_000_000),
+        ("2 g", 2 << 30),
+        (0, 0),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    "bad", ["-5GiB", "lots", "5 parsecs", "1e9", "", -1, True, 1.5]
+)
+def test_bad_capacity_names_found_and_expected(bad):
+    with pytest.raises(ConfigError, match=r"capacity: found .*expected"):
+        StoreConfig.from_extra_config({"cache_dir": "/x", "capacity": bad}, env={})
+
+
+def test_unknown_keys_are_listed():
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) 'capcity'"):
+        StoreConfig.from_extra_config({"cache_dir": "/x", "capcity": "1GiB"}, env={})
+
+
+def test_missing_cache_dir():
+    with pytest.raises(ConfigError, match="cache_dir: missing"):
+        StoreConfig.from_extra_config({"capacity": "1GiB"}, env={})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("io_engine", "spdk"),
+        ("fsync", "sometimes"),
+        ("verify", "maybe"),
+        ("layerwise", "yes"),
+        ("direct_io", "perhaps"),
+        ("prefetch_depth", "0"),
+        ("prefetch_depth", "two"),
+        ("evict_grace_s", "-1"),
+        ("index_map_size", "1KiB"),
+    ],
+)
+def test_bad_values(key, value):
+    with pytest.raises(ConfigError, match=rf"{key}: found"):
+        StoreConfig.from_extra_config({"cache_dir": "/x", key: value}, env={})
+
+
+def test_env_overrides_extra_config_and_strings_parse():
+    config = StoreConfig.from_extra_config(
+        {"cache_dir": "/x", "capacity": "1GiB", "direct_io": "true"},
+        env={"NPUKV_CAPACITY": "2GiB", "NPUKV_IO_ENGINE": "Threads"},
+    )
+    assert config.capacity == 2 << 30
+    assert config.io_engine == "threads"
+    assert config.direct_io is True
+
+
+def test_every_design_key_exists():
+    design = {
+        "cache_dir", "capacity", "ring_size", "chunk_target_size", "io_engine",
+        "direct_io", "fsync", "verify", "layerwise", "prefetch_depth",
+        "save_decode", "namespace_extra",
+    }  # fmt: skip
+    assert design <= set(StoreConfig.keys())

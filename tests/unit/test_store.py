@@ -1,0 +1,207 @@
+"""KVStore in one process: put/lookup/read, layers, dedup, eviction order,
+recovery of the index and of crash leftovers, and namespace isolation."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from npukv_store import ConfigError, KVStore, NamespaceMismatch, StoreConfig
+from npukv_store.hashing import chain_hashes
+from npukv_store.store.directory import HOST
+from npukv_store.store.format import build_chunk
+from tests.conftest import block_tensors, empty_like_blocks, tiny_spec
+
+
+def put_prompt(store, tokens):
+    keys = store.keys_for(tokens)
+    return keys, store.put(keys, block_tensors(store.spec, keys))
+
+
+def assert_reads_back(store, keys):
+    out = empty_like_blocks(store.spec, len(keys))
+    assert store.read(keys, out) == [True] * len(keys)
+    for name, array in block_tensors(store.spec, keys).items():
+        np.testing.assert_array_equal(out[name], array)
+
+
+def test_put_lookup_read_roundtrip(store):
+    keys, result = put_prompt(store, range(16 * 6 + 5))
+    assert (result.stored, result.skipped, result.rejected) == (6, 0, 0)
+    assert store.lookup(keys) == 6
+    assert_reads_back(store, keys)
+    stats = store.stats()
+    assert stats.num_blocks == 6
+    assert stats.num_chunks == 1
+    assert stats.counters["put_blocks"] == 6
+
+
+def test_partial_prefix_and_single_layer(store):
+    keys, _ = put_prompt(store, range(16 * 4))
+    longer = store.keys_for(list(range(16 * 4)) + [9] * 32)
+    assert store.lookup(longer) == 4
+    broken = [*keys[:2], b"\x00" * 16, keys[3]]
+    assert store.lookup(broken) == 2
+    layer = store.spec.layers[1]
+    out = {n: np.zeros((2, 16, 2, 8), np.float16) for n in layer.tensor_names()}
+    assert store.read(keys[1:3], out) == [True, True]
+    expected = block_tensors(store.spec, keys[1:3])
+    for name in layer.tensor_names():
+        np.testing.assert_array_equal(out[name], expected[name])
+    with pytest.raises(ValueError, match="needs all of"):
+        store.read(
+            keys[:1], {layer.tensor_names()[0]: out[layer.tensor_names()[0]][:1]}
+        )
+
+
+def test_stored_blocks_are_not_written_again(store):
+    keys, _ = put_prompt(store, range(16 * 3))
+    more = store.keys_for(range(16 * 5))
+    result = store.put(more, block_tensors(store.spec, more))
+    assert (result.stored, result.skipped) == (2, 3)
+    assert store.stats().num_chunks == 2
+    assert_reads_back(store, more)
+    again = store.put(more, block_tensors(store.spec, more))
+    assert (again.stored, again.skipped) == (0, 5)
+    assert store.stats().num_chunks == 2
+
+
+def test_bad_put_input_is_one_clear_error(store):
+    keys = store.keys_for(range(32))
+    tensors = block_tensors(store.spec, keys)
+    with pytest.raises(ValueError, match="found .* expected"):
+        store.put(keys, {k: v for k, v in list(tensors.items())[1:]})
+    wrong = dict(
+        tensors, **{"model.layers.0.attn.k": tensors["model.layers.0.attn.k"][:1]}
+    )
+    with pytest.raises(ValueError, match=r"found shape \[1, 16, 2, 8\]"):
+        store.put(keys, wrong)
+    with pytest.raises(ValueError, match="found dtype F32, expected F16"):
+        store.put(keys, {k: v.astype(np.float32) for k, v in tensors.items()})
+    with pytest.raises(ValueError, match="16-byte keys"):
+        store.put([b"short"] * 2, tensors)
+
+
+def test_torch_bf16_tensors(tmp_path):
+    torch = pytest.importorskip("torch", reason="torch is a [test] extra")
+    from npukv_store import LayerSpec, NamespaceSpec, PartSpec
+
+    spec = NamespaceSpec(
+        model="m", block_size=4, kv_dtype="bfloat16",
+        layers=(LayerSpec("l0", (PartSpec("kv", "BF16", (2, 4, 8)),)),),
+    )  # fmt: skip
+    with KVStore(StoreConfig(cache_dir=str(tmp_path / "c")), spec) as store:
+        keys = store.keys_for(range(12))
+        data = torch.randn(3, 2, 4, 8, dtype=torch.bfloat16)
+        assert store.put(keys, {"l0.kv": data}).stored == 3
+        out = torch.zeros_like(data)
+        assert store.read(keys, {"l0.kv": out}) == [True] * 3
+        assert torch.equal(out, data)
+        assert store.check(verify_data=True) == []
+
+
+def test_lru_eviction_respects_touches_and_capacity(tmp_path, spec):
+    one_chunk = 4096 + 2 * spec.block_bytes + 2 * 3 * 8  # header, 2 blocks, sums
+    config = StoreConfig(
+        cache_dir=str(tmp_path / "c"), capacity=3 * one_chunk, evict_grace_s=0
+    )
+    with KVStore(config, spec) as store:
+        chains = [put_prompt(store, [c] * 32)[0] for c in range(3)]
+        assert store.stats().total_bytes == 3 * one_chunk
+        store.lookup(chains[0])  # chain 0 becomes the youngest
+        store.flush_touches()
+        put_prompt(store, [7] * 32)
+        assert store.lookup(chains[0]) == 2
+        assert store.lookup(chains[1]) == 0  # the oldest untouched one went
+        assert store.lookup(chains[2]) == 2
+        assert store.stats().total_bytes <= config.capacity
+        assert store.stats().counters["evicted_chunks"] == 1
+        assert store.check(verify_data=True) == []
+
+
+def test_grace_period_rejects_instead_of_evicting_hot_chunks(tmp_path, spec):
+    config = StoreConfig(cache_dir=str(tmp_path / "c"), capacity=15000)
+    with KVStore(config, spec) as store:
+        first, result = put_prompt(store, [1] * 32)
+        assert result.stored == 2
+        _, second = put_prompt(store, [2] * 32)
+        assert (second.stored, second.rejected) == (0, 2)
+        assert store.lookup(first) == 2
+        assert store.check() == []
+
+
+def test_index_rebuilt_when_missing_or_garbled(tmp_path, spec):
+    config = StoreConfig(cache_dir=str(tmp_path / "c"))
+    with KVStore(config, spec) as store:
+        keys, _ = put_prompt(store, range(16 * 5))
+        more, _ = put_prompt(store, range(100, 100 + 16 * 3))
+    shutil.rmtree(tmp_path / "c" / "index")
+    with KVStore(config, spec) as store:
+        assert store.lookup(keys) == 5
+        assert store.lookup(more) == 3
+        assert_reads_back(store, keys)
+        assert store.check(verify_data=True) == []
+    with open(tmp_path / "c" / "index" / "data.mdb", "r+b") as handle:
+        handle.write(os.urandom(8192))
+    with KVStore(config, spec) as store:
+        assert store.lookup(keys) == 5
+        assert store.check(verify_data=True) == []
+
+
+def test_crash_leftovers_removed_on_open(tmp_path, spec):
+    config = StoreConfig(cache_dir=str(tmp_path / "c"))
+    with KVStore(config, spec) as store:
+        put_prompt(store, range(64))
+        chunks = tmp_path / "c" / store.namespace / "chunks"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead_pid = int(dead.stdout)
+    garbage = tmp_path / "c" / "tmp" / f"{dead_pid}-00ff.tmp"
+    garbage.write_bytes(b"half a chunk")
+    live = tmp_path / "c" / "tmp" / f"{os.getpid()}-00fe.tmp"
+    live.write_bytes(b"in flight")
+    keys = chain_hashes(range(64), 16, b"orphan")
+    rows = {n: a.data.cast("B") for n, a in block_tensors(spec, keys).items()}
+    buffers = build_chunk(
+        spec, store.namespace, keys, rows, creator=f"{dead_pid}@{HOST}", created_ns=1
+    )
+    orphan = chunks / "00000000000000ff.safetensors"
+    orphan.write_bytes(b"".join(bytes(b) for b in buffers))
+    with KVStore(config, spec) as store:
+        assert not garbage.exists()
+        assert not orphan.exists()
+        assert live.exists()  # its writer (us) is alive: maybe mid-publish
+        live.unlink()
+        assert store.check() == []
+
+
+def test_namespaces_share_a_directory_without_mixing(tmp_path):
+    config = StoreConfig(cache_dir=str(tmp_path / "c"))
+    with (
+        KVStore(config, tiny_spec()) as a,
+        KVStore(config, tiny_spec(tp_rank=1, tp_size=2)) as b,
+    ):
+        keys, _ = put_prompt(a, range(64))
+        assert b.lookup(b.keys_for(range(64))) == 0
+        assert b.read(keys, empty_like_blocks(b.spec, 4)) == [False] * 4
+        assert a.stats().num_blocks == b.stats().num_blocks == 4  # one index
+        assert a.check(verify_data=True) == []
+
+
+def test_refuses_foreign_directory_and_tampered_namespace(tmp_path, spec):
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+    with pytest.raises(ConfigError, match="no NPUKV_STORE marker"):
+        KVStore(StoreConfig(cache_dir=str(foreign)), spec)
+    config = StoreConfig(cache_dir=str(tmp_path / "c"))
+    with KVStore(config, spec) as store:
+        ns_json = tmp_path / "c" / store.namespace / "namespace.json"
+    ns_json.write_text('{"model": "other"}')
+    with pytest.raises(NamespaceMismatch, match="namespace.json: holds"):
+        KVStore(config, spec)
