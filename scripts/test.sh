@@ -7,18 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
-fi
-PY=.venv/bin/python
-# torch first and pinned: this version is on local disk here, and a bare `torch`
-# requirement would otherwise pull a multi-GB CUDA build.
-if ! "$PY" -c 'import torch' 2>/dev/null; then
-    "$PY" -m pip install -q torch==2.13.0
-fi
-"$PY" -m pip install -q -e '.[test]'
-"$PY" -c 'import npukv_store._native'
+source scripts/setup_env.sh
 
 echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy
