@@ -6,7 +6,8 @@ setup(
     ext_modules=[
         Extension(
             "npukv_store._native",
-            sources=["native/module.c"],
+            sources=["native/module.c", "native/fileio.c"],
+            depends=["native/nkv.h"],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror", "-std=c11"],
         )
     ]

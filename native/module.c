@@ -1,32 +1,47 @@
-/* npukv_store._native: module init for the C half of npukv_store.
+/* npukv_store._native: method table, module init and the one errno mapper.
  *
- * This file holds the method table and module init only; the logic lives in
- * copy.c (GIL-free batched copies) and uring.c (io_uring), which arrive with the
- * asynchronous data path. Until then the module exports its ABI version and the
- * size above which native calls release the GIL, so the build and import rails
- * (-Wall -Wextra -Werror, multi-phase init) are exercised from the first commit.
+ * No logic lives here: fileio.c holds the file I/O helpers; the GIL-free
+ * batched copies (copy.c) and io_uring (uring.c) arrive with the asynchronous
+ * data path. Every entry point has a pure-Python twin in npukv_store/native.py,
+ * selected by NPUKV_NATIVE=0, and the same tests run against both.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "nkv.h"
+
+#include <errno.h>
+#include <string.h>
 
 /* Bumped whenever a native entry point changes meaning; npukv_store checks it
  * at import so a stale build is refused instead of misbehaving. */
-#define NKV_ABI_VERSION 1
+#define NKV_ABI_VERSION 2
 
-/* Copies and syscalls below this many bytes keep the GIL: releasing and
- * re-taking it costs more than a small memcpy. */
-#define NKV_GIL_MINSIZE (64 * 1024)
+PyObject *
+nkv_err_set(const char *what, int err)
+{
+    /* OSError(errno, "what: strerror") picks the errno's subclass itself. */
+    PyObject *exc_args = Py_BuildValue("(iN)", err,
+                                       PyUnicode_FromFormat("%s: %s", what, strerror(err)));
+    if (exc_args != NULL) {
+        PyErr_SetObject(PyExc_OSError, exc_args);
+        Py_DECREF(exc_args);
+    }
+    return NULL;
+}
+
+static PyMethodDef nkv_methods[] = {
+    {"sync_file_range", nkv_sync_file_range, METH_VARARGS,
+     "sync_file_range(fd, offset, nbytes, flags=SYNC_FILE_RANGE_WRITE)\n"
+     "Start writeback of a file range (GIL released)."},
+    {NULL, NULL, 0, NULL},
+};
 
 static int
 nkv_exec(PyObject *module)
 {
-    if (PyModule_AddIntConstant(module, "ABI_VERSION", NKV_ABI_VERSION) < 0) {
+    if (PyModule_AddIntConstant(module, "ABI_VERSION", NKV_ABI_VERSION) < 0 ||
+        PyModule_AddIntConstant(module, "_GIL_MINSIZE", NKV_GIL_MINSIZE) < 0) {
         return -1;
     }
-    if (PyModule_AddIntConstant(module, "_GIL_MINSIZE", NKV_GIL_MINSIZE) < 0) {
-        return -1;
-    }
-    return 0;
+    return nkv_fileio_exec(module);
 }
 
 static PyModuleDef_Slot nkv_slots[] = {
@@ -45,6 +60,7 @@ static struct PyModuleDef nkv_module = {
     .m_name = "npukv_store._native",
     .m_doc = "Native half of npukv_store (see native/module.c).",
     .m_size = 0,
+    .m_methods = nkv_methods,
     .m_slots = nkv_slots,
 };
 

@@ -1,2 +1,7 @@
 ABI_VERSION: int
 _GIL_MINSIZE: int
+SYNC_FILE_RANGE_WAIT_BEFORE: int
+SYNC_FILE_RANGE_WRITE: int
+SYNC_FILE_RANGE_WAIT_AFTER: int
+
+def sync_file_range(fd: int, offset: int, nbytes: int, flags: int = ..., /) -> None: ...

@@ -19,37 +19,29 @@ process evicts the chunk in between.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from npukv_store.config import StoreConfig
-from npukv_store.errors import FormatError, NamespaceMismatch
+from npukv_store.errors import NamespaceMismatch
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import recovery
 from npukv_store.store.arrays import byte_rows
-from npukv_store.store.directory import HOST, CacheDir
-from npukv_store.store.format import (
-    ChunkHeader,
-    build_chunk,
-    layer_checksum,
-    parse_header,
-)
+from npukv_store.store.chunk_reader import ChunkReader
+from npukv_store.store.chunk_writer import unlink_quietly, write_chunk
+from npukv_store.store.directory import CacheDir
 from npukv_store.store.index import ChunkRecord
 from npukv_store.store.stats import PutResult, StoreCounters, StoreStats
 
 logger = logging.getLogger(__name__)
 
-_IOV_MAX = 1024
-_HEADER_CACHE_ENTRIES = 1024  # parsed headers; chunk files are immutable
 _TOUCH_FLUSH_S = 1.0  # how stale the shared LRU may get for read-only processes
 
 
@@ -75,7 +67,10 @@ class KVStore:
         self.counters = StoreCounters()
         self._lock = threading.Lock()
         self._in_flight: set[bytes] = set()
-        self._headers: OrderedDict[int, ChunkHeader] = OrderedDict()
+        self._reader = ChunkReader(
+            self.dir, spec, self.namespace, self.counters,
+            verify=config.verify == "always",
+        )  # fmt: skip
         self._touched: set[bytes] = set()  # chunk ids (8 bytes LE) read
         self._touched_keys: set[bytes] = set()  # keys found by lookups
         self._closed = threading.Event()
@@ -118,7 +113,7 @@ class KVStore:
 
     def _check_fork(self) -> None:
         if os.getpid() != self._pid:  # LMDB handles must not cross fork()
-            self._headers.clear()
+            self._reader.clear()
             self._in_flight.clear()
             self._touch_thread = None
             self._open()
@@ -198,9 +193,11 @@ class KVStore:
             rows = {name: view[fresh] for name, view in rows.items()}
             keys = [keys[i] for i in fresh]
         chunk_id = secrets.randbits(63) + 1
-        path = self.dir.chunk_path(self.namespace, chunk_id)
         created = time.time_ns()
-        size = self._write_chunk(chunk_id, keys, rows, path, created)
+        path, size = write_chunk(
+            self.dir, self.spec, self.namespace, chunk_id, keys, rows,
+            created_ns=created, sync=self._sync,
+        )  # fmt: skip
         record = ChunkRecord(
             chunk_id,
             self.fingerprint,
@@ -219,12 +216,12 @@ class KVStore:
                 touched=self._take_touches(),
             )
         except BaseException:
-            _unlink(path)
+            unlink_quietly(path)
             raise
         if result.rejected or result.live_rows == 0:
-            _unlink(path)  # published nothing: no index row points at it
+            unlink_quietly(path)  # published nothing: no index row points at it
         for victim in result.victims:
-            _unlink(self.dir.chunk_path(victim.namespace.hex(), victim.chunk_id))
+            unlink_quietly(self.dir.chunk_path(victim.namespace.hex(), victim.chunk_id))
         stored = result.live_rows
         rejected = len(keys) if result.rejected else 0
         self.counters.add(
@@ -240,39 +237,6 @@ class KVStore:
             skipped=len(keys) - stored - rejected + skipped,
             rejected=rejected,
         )
-
-    def _write_chunk(
-        self,
-        chunk_id: int,
-        keys: Sequence[bytes],
-        rows: dict[str, np.ndarray],
-        path: str,
-        created: int,
-    ) -> int:
-        """Write the chunk under tmp/, fsync per policy, rename into place."""
-        buffers = build_chunk(
-            self.spec,
-            self.namespace,
-            keys,
-            {n: np.ascontiguousarray(v).data.cast("B") for n, v in rows.items()},
-            creator=f"{os.getpid()}@{HOST}",
-            created_ns=created,
-        )
-        tmp = self.dir.tmp_path(chunk_id)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            size = _write_all(fd, buffers)
-            if self._sync:
-                os.fsync(fd)
-            os.rename(tmp, path)
-        except BaseException:
-            _unlink(tmp)
-            raise
-        finally:
-            os.close(fd)
-        if self._sync:
-            _fsync_dir(os.path.dirname(path))
-        return size
 
     # -- lookup and read -------------------------------------------------------
 
@@ -309,7 +273,9 @@ class KVStore:
             if loc is not None:
                 by_chunk.setdefault(loc[0], []).append((i, loc[1]))
         for chunk_id, items in by_chunk.items():
-            good = self._read_chunk(chunk_id, items, keys, layers, dest)
+            good = self._reader.read_rows(chunk_id, items, keys, layers, dest)
+            if good:
+                self._record_touches({chunk_id.to_bytes(8, "little")})
             for i in good:
                 ok[i] = True
         hits = sum(ok)
@@ -341,82 +307,6 @@ class KVStore:
                 f"out: found {sorted(out)}, expected tensor names of {self.namespace}"
             )
         return layers, dest
-
-    def _read_chunk(
-        self,
-        chunk_id: int,
-        items: list[tuple[int, int]],
-        keys: Sequence[bytes],
-        layers: list[int],
-        dest: dict[str, np.ndarray],
-    ) -> list[int]:
-        """Read ``(key index, row)`` items of one chunk; returns verified indices."""
-        path = self.dir.chunk_path(self.namespace, chunk_id)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return []  # evicted meanwhile, or unreadable: a miss
-        try:
-            header = self._header(chunk_id, fd, path)
-            if header is None:
-                return []
-            items = [
-                (i, r)
-                for i, r in items
-                if r < header.num_blocks and header.keys[r] == keys[i]
-            ]
-            segments = sorted(
-                (
-                    (entry.begin + row * entry.row_bytes, i, dest[entry.name][i])
-                    for li in layers
-                    for entry in header.layers[li]
-                    for i, row in items
-                ),
-                key=lambda segment: segment[0],
-            )
-            failed = _preadv_segments(fd, segments)
-        except OSError:
-            self.counters.add(read_errors=1)
-            logger.warning("read of chunk %s failed", path, exc_info=True)
-            return []
-        finally:
-            os.close(fd)
-        self._record_touches({chunk_id.to_bytes(8, "little")})
-        verify = self.config.verify == "always"
-        good = []
-        for i, row in items:
-            if i in failed:
-                continue
-            if verify and not all(
-                layer_checksum([dest[e.name][i] for e in header.layers[li]])
-                == int(header.checksums[row, li])
-                for li in layers
-            ):
-                self.counters.add(checksum_errors=1)
-                logger.warning(
-                    "checksum mismatch in %s row %d: treated as a miss", path, row
-                )
-                continue
-            good.append(i)
-        return good
-
-    def _header(self, chunk_id: int, fd: int, path: str) -> ChunkHeader | None:
-        with self._lock:
-            header = self._headers.get(chunk_id)
-            if header is not None:
-                self._headers.move_to_end(chunk_id)
-                return header
-        try:
-            header = parse_header(fd, path, namespace=self.namespace, spec=self.spec)
-        except FormatError:
-            self.counters.add(read_errors=1)
-            logger.warning("bad chunk %s: treated as a miss", path, exc_info=True)
-            return None
-        with self._lock:
-            self._headers[chunk_id] = header
-            while len(self._headers) > _HEADER_CACHE_ENTRIES:
-                self._headers.popitem(last=False)
-        return header
 
     # -- LRU touches -----------------------------------------------------------
 
@@ -488,6 +378,9 @@ class KVStore:
             return
         self._closed.set()
         if os.getpid() == self._pid:
+            thread = self._touch_thread
+            if thread is not None:
+                thread.join()  # it may be mid-flush: finish before the index closes
             self.flush_touches()
             self.index.close()
 
@@ -496,55 +389,3 @@ class KVStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _write_all(fd: int, buffers: list[memoryview]) -> int:
-    total = 0
-    pending = [b for b in buffers if len(b)]
-    while pending:
-        batch = pending[:_IOV_MAX]
-        done = os.writev(fd, batch)
-        total += done
-        # short writes are legal: drop what was written, resume mid-buffer
-        while done:
-            if done >= len(pending[0]):
-                done -= len(pending.pop(0))
-            else:
-                pending[0] = pending[0][done:]
-                done = 0
-    return total
-
-
-def _preadv_segments(fd: int, segments: list[tuple[int, int, np.ndarray]]) -> set[int]:
-    """Read ``(file offset, key index, destination row)`` segments, merging
-    file-adjacent ones into one ``preadv``; returns key indices not filled."""
-    failed: set[int] = set()
-    start = 0
-    while start < len(segments):
-        offset = segments[start][0]
-        end, cursor = start, offset
-        while (
-            end < len(segments)
-            and end - start < _IOV_MAX
-            and segments[end][0] == cursor
-        ):
-            cursor += segments[end][2].nbytes
-            end += 1
-        batch = segments[start:end]
-        if os.preadv(fd, [row.data for _, _, row in batch], offset) != cursor - offset:
-            failed.update(i for _, i, _ in batch)  # short read: file truncated
-        start = end
-    return failed
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):  # already removed: same outcome
-        os.unlink(path)

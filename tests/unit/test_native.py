@@ -1,0 +1,52 @@
+"""The C extension and its pure-Python twin (NPUKV_NATIVE=0) pass the same tests."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+
+import pytest
+
+from npukv_store import native
+
+
+def test_extension_is_built_with_the_expected_abi():
+    from npukv_store import _native
+
+    assert _native.ABI_VERSION == native.ABI_VERSION
+    assert native.IS_NATIVE
+    assert _native._GIL_MINSIZE > 0
+
+
+@pytest.fixture(params=["native", "twin"])
+def impl(request, monkeypatch):
+    if request.param == "twin":
+        monkeypatch.setattr(native, "IMPL", None)
+    return request.param
+
+
+def test_sync_file_range(impl, tmp_path):
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, b"x" * 100_000)
+        native.sync_file_range_write(fd, 0, 100_000)
+        native.sync_file_range_write(fd, 4096, 0)  # 0 means "to the end"
+        with pytest.raises(ValueError, match=">= 0"):
+            native.sync_file_range_write(fd, -1, 10)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match="sync_file_range") as info:
+        native.sync_file_range_write(fd, 0, 10)  # closed fd
+    assert info.value.errno == errno.EBADF
+
+
+def test_env_selects_the_twin():
+    code = "from npukv_store import native; print(native.IS_NATIVE)"
+    env = {**os.environ, "NPUKV_NATIVE": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert out.stdout.strip() == "False"
