@@ -92,45 +92,63 @@ class ChunkReader:
                 for i, r in items
                 if r < header.num_blocks and header.keys[r] == keys[i]
             ]
-            failed = _preadv_segments(fd, _segments(header, items, layers, dest))
+            return self._read_layers(fd, header, items, layers, dest)
         except OSError:
             self._counters.add(read_errors=1)
             logger.warning("read of chunk %s failed", path, exc_info=True)
             return []
         finally:
             os.close(fd)
-        good = [(i, row) for i, row in items if i not in failed]
-        if self._verify:
-            good = self._verified(header, good, layers, dest)
-        return [i for i, _ in good]
 
-    def _verified(
+    def _read_layers(
         self,
+        fd: int,
         header: ChunkHeader,
         items: list[Item],
         layers: list[int],
         dest: dict[str, np.ndarray],
-    ) -> list[Item]:
-        """The items whose requested layers match their checksums."""
-        sums = header.checksums.tolist()
-        bad: set[int] = set()
-        for li in layers:
-            arrays = [dest[entry.name] for entry in header.layers[li]]
-            for i, row in items:
-                digest = xxhash.xxh3_64(arrays[0][i])
-                for array in arrays[1:]:
-                    digest.update(array[i])
-                if digest.intdigest() != sums[row][li]:
-                    bad.add(i)
-                    logger.warning(
-                        "checksum mismatch in %s row %d layer %d: a miss",
-                        header.path,
-                        row,
-                        li,
-                    )
-        if bad:
-            self._counters.add(checksum_errors=len(bad))
-        return [(i, row) for i, row in items if i not in bad]
+    ) -> list[int]:
+        """Read and verify layer by layer. The whole range is announced first
+        (WILLNEED), so the disk streams layer l+1 while layer l is verified."""
+        plans = [_segments(header, items, li, dest) for li in layers]
+        first = min((plan[0][0] for plan in plans if plan), default=0)
+        end = max((p[-1][0] + p[-1][3].nbytes for p in plans if p), default=0)
+        if end > first:
+            os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
+        sums = header.checksums.tolist() if self._verify else []
+        failed: set[int] = set()
+        for li, plan in zip(layers, plans, strict=True):
+            failed |= _preadv_segments(fd, plan)
+            if self._verify:
+                failed |= self._bad_rows(header, items, li, dest, sums)
+        if failed:
+            self._counters.add(checksum_errors=len(failed))
+        return [i for i, _ in items if i not in failed]
+
+    def _bad_rows(
+        self,
+        header: ChunkHeader,
+        items: list[Item],
+        li: int,
+        dest: dict[str, np.ndarray],
+        sums: list[list[int]],
+    ) -> set[int]:
+        """Key indices whose layer ``li`` does not match its checksum."""
+        arrays = [dest[entry.name] for entry in header.layers[li]]
+        bad = set()
+        for i, row in items:
+            digest = xxhash.xxh3_64(arrays[0][i])
+            for array in arrays[1:]:
+                digest.update(array[i])
+            if digest.intdigest() != sums[row][li]:
+                bad.add(i)
+                logger.warning(
+                    "checksum mismatch in %s row %d layer %d: a miss",
+                    header.path,
+                    row,
+                    li,
+                )
+        return bad
 
     def _header(self, chunk_id: int, fd: int, path: str) -> ChunkHeader | None:
         with self._lock:
@@ -152,13 +170,10 @@ class ChunkReader:
 
 
 def _segments(
-    header: ChunkHeader,
-    items: list[Item],
-    layers: list[int],
-    dest: dict[str, np.ndarray],
+    header: ChunkHeader, items: list[Item], li: int, dest: dict[str, np.ndarray]
 ) -> list[Segment]:
-    """Reads for the items: one per run of consecutive rows that land in
-    consecutive destination rows, per tensor; sorted by file offset."""
+    """Reads of layer ``li`` for the items: one per run of consecutive rows that
+    land in consecutive destination rows, per tensor; sorted by file offset."""
     runs: list[list[int]] = []  # [first key index, first row, count]
     for i, row in sorted(items, key=lambda item: item[1]):
         last = runs[-1] if runs else None
@@ -168,7 +183,6 @@ def _segments(
             runs.append([i, row, 1])
     segments = [
         (entry.begin + row * entry.row_bytes, i, count, dest[entry.name][i : i + count])
-        for li in layers
         for entry in header.layers[li]
         for i, row, count in runs
     ]

@@ -26,6 +26,7 @@ import fcntl
 import json
 import os
 import re
+import secrets
 import socket
 import time
 from collections.abc import Iterator
@@ -75,7 +76,8 @@ class CacheDir:
         marker = os.path.join(self.root, MARKER)
         if not os.path.exists(marker):
             foreign = sorted(set(os.listdir(self.root)) - {"tmp", ".lock"})
-            if foreign:
+            # another process may have created the marker (and more) meanwhile
+            if foreign and not os.path.exists(marker):
                 raise ConfigError(
                     f"cache_dir: {self.root} holds {foreign[:3]} but no {MARKER} "
                     "marker; expected an empty directory or an npukv_store cache"
@@ -143,13 +145,14 @@ class CacheDir:
             self.root, namespace, "chunks", f"{chunk_id:016x}.safetensors"
         )
 
-    def tmp_path(self, chunk_tag: int | str) -> str:
-        tag = (
-            f"{chunk_tag:016x}"
-            if isinstance(chunk_tag, int)
-            else chunk_tag.encode().hex()
-        )
-        return os.path.join(self.tmp_dir, f"{os.getpid()}-{tag}.tmp")
+    def tmp_path(self, tag: int | str) -> str:
+        """A new in-flight file name: ``<pid>-<hex>.tmp``. Chunks use their id;
+        other files get a random suffix so threads of one process never share."""
+        if isinstance(tag, int):
+            name = f"{tag:016x}"
+        else:
+            name = tag.encode().hex() + secrets.token_hex(8)
+        return os.path.join(self.tmp_dir, f"{os.getpid()}-{name}.tmp")
 
     def namespaces(self) -> list[str]:
         """Namespace directories present on disk."""

@@ -17,6 +17,8 @@ Databases (all keys and values are fixed-layout bytes, see the ``_*_FMT``):
     chunks  chunk id u64 BE   -> ChunkRecord              (one per published chunk)
     lru     last access ns u64 BE + chunk id u64 BE -> '' (eviction order)
     meta    b"schema" -> SCHEMA, b"total_bytes" -> u64    (global capacity ledger)
+    dead    chunk id u64 BE   -> namespace 16 bytes       (unpublished, file may
+                                                         still await its unlink)
 
 The index is a cache of what the chunk files say; :mod:`.recovery` rebuilds it.
 Why LMDB and not SQLite: docs/design.md (measured 256-key lookups and commits).
@@ -143,6 +145,7 @@ class Index:
             self._chunks = self._env.open_db(b"chunks")
             self._lru = self._env.open_db(b"lru")
             self._meta = self._env.open_db(b"meta")
+            self._dead = self._env.open_db(b"dead")
             with self._env.begin(write=True, db=self._meta) as txn:
                 schema = txn.get(b"schema")
                 if schema is None:
@@ -228,6 +231,7 @@ class Index:
         capacity_bytes: int,
         grace_ns: int,
         touched: Iterable[bytes] = (),
+        unlinked: Iterable[int] = (),
     ) -> CommitResult:
         """Publish ``record``: each key absent from the index gets this chunk's row.
 
@@ -236,10 +240,12 @@ class Index:
         within ``capacity_bytes``, chunks are evicted oldest first, skipping those
         touched within ``grace_ns``; if that cannot make room the chunk is
         rejected (a cache may refuse; it must not overflow). ``touched`` chunk ids
-        (from lookups) are refreshed in the same transaction.
+        (from lookups) are refreshed, and the tombstones of ``unlinked`` chunks
+        (files removed since) are dropped, in the same transaction.
         """
         with self._env.begin(write=True) as txn:
             self._touch_in(txn, touched, record.last_access_ns)
+            self._forget_in(txn, unlinked)
             total = _total(txn, self._meta)
             victims = self._pick_victims(
                 txn,
@@ -285,6 +291,21 @@ class Index:
                 removed.append(record)
             txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
         return removed
+
+    def dead_chunks(self) -> dict[int, bytes]:
+        """Tombstones: chunk id -> namespace of unpublished chunks whose file
+        may still exist (the unlink follows the commit)."""
+        with self._env.begin(db=self._dead) as txn:
+            return {_CID.unpack(k)[0]: bytes(v) for k, v in txn.cursor()}
+
+    def forget_dead(self, chunk_ids: Iterable[int]) -> None:
+        """Drop tombstones once their files are gone."""
+        with self._env.begin(write=True) as txn:
+            self._forget_in(txn, chunk_ids)
+
+    def _forget_in(self, txn: lmdb.Transaction, chunk_ids: Iterable[int]) -> None:
+        for chunk_id in chunk_ids:
+            txn.delete(_CID.pack(chunk_id), db=self._dead)
 
     def touch(self, chunk_ids: Iterable[bytes], now_ns: int) -> None:
         """Mark chunks (8-byte little-endian ids) as used at ``now_ns``."""
@@ -333,6 +354,9 @@ class Index:
                 txn.delete(key, db=self._keys)  # only rows this chunk is home of
         txn.delete(_LRU_FMT.pack(record.last_access_ns, record.chunk_id), db=self._lru)
         txn.delete(_CID.pack(record.chunk_id), db=self._chunks)
+        # The file outlives this commit until its unlink; if the unlinker dies in
+        # between, the tombstone tells recovery the file is dead, not in flight.
+        txn.put(_CID.pack(record.chunk_id), record.namespace, db=self._dead)
 
 
 def _total(txn: lmdb.Transaction, meta: lmdb._Database) -> int:

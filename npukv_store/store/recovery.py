@@ -11,7 +11,7 @@ What a crash can leave, by the publish order (tmp write -> fsync -> rename ->
 index commit; delete: index commit -> unlink):
     killed before rename   a tmp/<pid>-*.tmp file: garbage once the pid is dead
     killed before commit   a chunk file no index row points to: an orphan
-    killed before unlink   an evicted chunk's file: an orphan too
+    killed before unlink   an evicted chunk's file: an orphan with a tombstone
 Neither is ever visible to readers, who only find chunks through the index.
 """
 
@@ -115,17 +115,23 @@ def _record_from_file(namespace: str, chunk_id: int, path: str) -> ChunkRecord |
 def scan_orphans(cdir: CacheDir, index: Index, max_age_s: float) -> OrphanScan:
     """Chunk files without an index record.
 
-    One whose creator is dead (or that is older than ``max_age_s``) can no longer
-    be committed by anyone and is removable; one whose creator lives may be
-    between its rename and its commit.
+    Removable: a tombstoned one (evicted; its unlinker died before the unlink),
+    and one whose creator is dead or that is older than ``max_age_s`` (nobody can
+    commit it any more). One whose creator lives may be between its rename and
+    its commit: in flight.
     """
     published = {r.chunk_id for r in index.iter_chunks()}
+    dead = index.dead_chunks()
     removable, in_flight = [], []
     for namespace in cdir.namespaces():
         for chunk_id, path in cdir.chunk_files(namespace).items():
             if chunk_id in published:
                 continue
-            if file_age_s(path) > max_age_s or not _creator_alive(path):
+            if (
+                chunk_id in dead
+                or file_age_s(path) > max_age_s
+                or not _creator_alive(path)
+            ):
                 removable.append(path)
             else:
                 in_flight.append(path)
@@ -142,6 +148,13 @@ def remove_garbage(cdir: CacheDir, index: Index, max_age_s: float) -> int:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):  # another recoverer was first
             os.unlink(path)
+    gone = [
+        chunk_id
+        for chunk_id, ns in index.dead_chunks().items()
+        if not os.path.exists(cdir.chunk_path(ns.hex(), chunk_id))
+    ]
+    if gone:
+        index.forget_dead(gone)
     if paths:
         logger.info("removed %d crash leftovers from %s", len(paths), cdir.root)
     return len(paths)

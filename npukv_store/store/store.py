@@ -67,6 +67,7 @@ class KVStore:
         self.counters = StoreCounters()
         self._lock = threading.Lock()
         self._in_flight: set[bytes] = set()
+        self._unlinked: list[int] = []  # evicted chunk files removed by us
         self._reader = ChunkReader(
             self.dir, spec, self.namespace, self.counters,
             verify=config.verify == "always",
@@ -214,6 +215,7 @@ class KVStore:
                 capacity_bytes=self.config.capacity,
                 grace_ns=int(self.config.evict_grace_s * 1e9),
                 touched=self._take_touches(),
+                unlinked=self._take_unlinked(),
             )
         except BaseException:
             unlink_quietly(path)
@@ -222,6 +224,8 @@ class KVStore:
             unlink_quietly(path)  # published nothing: no index row points at it
         for victim in result.victims:
             unlink_quietly(self.dir.chunk_path(victim.namespace.hex(), victim.chunk_id))
+        with self._lock:  # their tombstones go in the next transaction
+            self._unlinked.extend(victim.chunk_id for victim in result.victims)
         stored = result.live_rows
         rejected = len(keys) if result.rejected else 0
         self.counters.add(
@@ -319,6 +323,11 @@ class KVStore:
                 )
                 self._touch_thread.start()
 
+    def _take_unlinked(self) -> list[int]:
+        with self._lock:
+            unlinked, self._unlinked = self._unlinked, []
+        return unlinked
+
     def _take_touches(self) -> set[bytes]:
         with self._lock:
             touched, self._touched = self._touched, set()
@@ -382,6 +391,9 @@ class KVStore:
             if thread is not None:
                 thread.join()  # it may be mid-flush: finish before the index closes
             self.flush_touches()
+            unlinked = self._take_unlinked()
+            if unlinked:
+                self.index.forget_dead(unlinked)
             self.index.close()
 
     def __enter__(self) -> KVStore:

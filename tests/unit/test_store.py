@@ -205,3 +205,29 @@ def test_refuses_foreign_directory_and_tampered_namespace(tmp_path, spec):
     ns_json.write_text('{"model": "other"}')
     with pytest.raises(NamespaceMismatch, match="namespace.json: holds"):
         KVStore(config, spec)
+
+
+def test_concurrent_first_open_of_a_fresh_directory(tmp_path, spec):
+    """Regression: threads creating the marker and namespace.json at once used
+    one tmp name per pid and collided; a late opener could also take the first
+    one's files for foreign ones."""
+    import threading
+
+    for trial in range(20):
+        root = str(tmp_path / f"fresh{trial}")
+        barrier = threading.Barrier(4)
+        errors: list[BaseException] = []
+
+        def open_close(root=root, barrier=barrier, errors=errors):
+            barrier.wait()
+            try:
+                KVStore(StoreConfig(cache_dir=root), spec).close()
+            except BaseException as exc:  # collected and asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=open_close) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
