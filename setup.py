@@ -1,13 +1,25 @@
 """Declares the C extension only; everything else is in pyproject.toml and setup.cfg."""
 
+import os
+
 from setuptools import Extension, setup
+
+SOURCES = ["module.c", "fileio.c", "checksum.c", "copy.c", "uring.c"]
+# The xxhash header (Debian: libxxhash-dev) enables the GIL-free checksums;
+# without it the module builds anyway and npukv_store uses the Python twin.
+HAVE_XXHASH = any(
+    os.path.exists(os.path.join(d, "xxhash.h"))
+    for d in ["/usr/include", "/usr/local/include", *os.environ.get("CPATH", "").split(":")]
+    if d
+)
 
 setup(
     ext_modules=[
         Extension(
             "npukv_store._native",
-            sources=["native/module.c", "native/fileio.c"],
+            sources=[f"native/{name}" for name in SOURCES],
             depends=["native/nkv.h"],
+            define_macros=[("NKV_HAVE_XXHASH", "1")] if HAVE_XXHASH else [],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror", "-std=c11"],
         )
     ]

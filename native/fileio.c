@@ -11,7 +11,7 @@
 #include <errno.h>
 #include <fcntl.h>
 
-PyObject *
+static PyObject *
 nkv_sync_file_range(PyObject *module, PyObject *args)
 {
     int fd;
@@ -39,9 +39,19 @@ nkv_sync_file_range(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyMethodDef nkv_fileio_methods[] = {
+    {"sync_file_range", nkv_sync_file_range, METH_VARARGS,
+     "sync_file_range(fd, offset, nbytes, flags=SYNC_FILE_RANGE_WRITE)\n"
+     "Start writeback of a file range (GIL released)."},
+    {NULL, NULL, 0, NULL},
+};
+
 int
 nkv_fileio_exec(PyObject *module)
 {
+    if (PyModule_AddFunctions(module, nkv_fileio_methods) < 0) {
+        return -1;
+    }
     if (PyModule_AddIntConstant(module, "SYNC_FILE_RANGE_WAIT_BEFORE",
                                 SYNC_FILE_RANGE_WAIT_BEFORE) < 0 ||
         PyModule_AddIntConstant(module, "SYNC_FILE_RANGE_WRITE",

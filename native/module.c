@@ -1,8 +1,8 @@
 /* npukv_store._native: method table, module init and the one errno mapper.
  *
- * No logic lives here: fileio.c holds the file I/O helpers; the GIL-free
- * batched copies (copy.c) and io_uring (uring.c) arrive with the asynchronous
- * data path. Every entry point has a pure-Python twin in npukv_store/native.py,
+ * No logic lives here: fileio.c (sync_file_range), checksum.c (xxh3 over
+ * block rows), copy.c (GIL-free batched copies) and uring.c (io_uring) each add
+ * their entry points in their own *_exec function. Every entry point has a pure-Python twin in npukv_store/native.py,
  * selected by NPUKV_NATIVE=0, and the same tests run against both.
  */
 #include "nkv.h"
@@ -12,7 +12,7 @@
 
 /* Bumped whenever a native entry point changes meaning; npukv_store checks it
  * at import so a stale build is refused instead of misbehaving. */
-#define NKV_ABI_VERSION 2
+#define NKV_ABI_VERSION 3
 
 PyObject *
 nkv_err_set(const char *what, int err)
@@ -27,13 +27,6 @@ nkv_err_set(const char *what, int err)
     return NULL;
 }
 
-static PyMethodDef nkv_methods[] = {
-    {"sync_file_range", nkv_sync_file_range, METH_VARARGS,
-     "sync_file_range(fd, offset, nbytes, flags=SYNC_FILE_RANGE_WRITE)\n"
-     "Start writeback of a file range (GIL released)."},
-    {NULL, NULL, 0, NULL},
-};
-
 static int
 nkv_exec(PyObject *module)
 {
@@ -41,7 +34,11 @@ nkv_exec(PyObject *module)
         PyModule_AddIntConstant(module, "_GIL_MINSIZE", NKV_GIL_MINSIZE) < 0) {
         return -1;
     }
-    return nkv_fileio_exec(module);
+    if (nkv_fileio_exec(module) < 0 || nkv_checksum_exec(module) < 0 ||
+        nkv_copy_exec(module) < 0 || nkv_uring_exec(module) < 0) {
+        return -1;
+    }
+    return 0;
 }
 
 static PyModuleDef_Slot nkv_slots[] = {
@@ -60,7 +57,6 @@ static struct PyModuleDef nkv_module = {
     .m_name = "npukv_store._native",
     .m_doc = "Native half of npukv_store (see native/module.c).",
     .m_size = 0,
-    .m_methods = nkv_methods,
     .m_slots = nkv_slots,
 };
 

@@ -5,3 +5,6 @@ SYNC_FILE_RANGE_WRITE: int
 SYNC_FILE_RANGE_WAIT_AFTER: int
 
 def sync_file_range(fd: int, offset: int, nbytes: int, flags: int = ..., /) -> None: ...
+
+# checksum.c (present when built with the xxhash header)
+def xxh3_rows(parts: object, nrows: int, /) -> bytes: ...

@@ -121,6 +121,9 @@ class StoreConfig:
     io_engine: str = field(
         default="auto", metadata=_doc("I/O backend: auto, uring or threads.")
     )
+    io_queue_depth: int = field(
+        default=16, metadata=_doc("I/O requests kept in flight per reader thread.")
+    )
     direct_io: bool = field(
         default=False, metadata=_doc("Use O_DIRECT for chunk reads and writes.")
     )
@@ -179,6 +182,12 @@ class StoreConfig:
         if depth < 1:
             raise ConfigError(f"prefetch_depth: found {depth}, expected >= 1 layers")
         object.__setattr__(self, "prefetch_depth", depth)
+        queue_depth = _parse_number(self.io_queue_depth, "io_queue_depth", int)
+        if not 1 <= queue_depth <= 4096:
+            raise ConfigError(
+                f"io_queue_depth: found {queue_depth}, expected 1..4096 requests"
+            )
+        object.__setattr__(self, "io_queue_depth", queue_depth)
         for key in ("evict_grace_s", "tmp_max_age_s"):
             seconds = _parse_number(getattr(self, key), key, float)
             if not math.isfinite(seconds) or seconds < 0:

@@ -9,7 +9,9 @@ Any doubt is a miss: a missing file (evicted after the lookup), a bad header,
 another key at the row, a short read or a checksum mismatch. Rows are read with
 ``preadv`` straight into the caller's buffers, one iovec per run of consecutive
 rows per tensor, file-adjacent runs merged into one call; checksums are computed
-over the caller's buffer after the read, where the bytes will be used.
+over the caller's buffer after the read, where the bytes will be used. Reads go
+through an I/O engine (io_uring or threads) with ``io_queue_depth`` in flight,
+and each layer is verified as soon as it has arrived.
 """
 
 from __future__ import annotations
@@ -21,17 +23,16 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
-import xxhash
 
 from npukv_store.errors import FormatError
+from npukv_store.io.engine import READ, IOEngine, IORequest, make_engine
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store.directory import CacheDir
-from npukv_store.store.format import ChunkHeader, parse_header
+from npukv_store.store.format import ChunkHeader, layer_checksums, parse_header
 from npukv_store.store.stats import StoreCounters
 
 logger = logging.getLogger(__name__)
 
-_IOV_MAX = 1024
 _HEADER_CACHE_ENTRIES = 1024  # chunk files are immutable and ids never reused
 Segment = tuple[int, int, int, np.ndarray]  # (file offset, first key, rows, dest)
 Item = tuple[int, int]  # (key index, chunk row)
@@ -48,6 +49,8 @@ class ChunkReader:
         counters: StoreCounters,
         *,
         verify: bool,
+        engine_kind: str = "auto",
+        queue_depth: int = 16,
     ) -> None:
         self._dir = cdir
         self._spec = spec
@@ -56,11 +59,17 @@ class ChunkReader:
         self._verify = verify
         self._lock = threading.Lock()
         self._headers: OrderedDict[int, ChunkHeader] = OrderedDict()
+        self._engine_kind = engine_kind
+        self._queue_depth = queue_depth
+        self._engines = threading.local()  # one engine per reading thread
+        self._all_engines: list[IOEngine] = []
 
     def clear(self) -> None:
-        """Forget cached headers (after fork)."""
+        """Forget cached headers and engines (after fork: their threads are gone)."""
         with self._lock:
             self._headers.clear()
+            self._all_engines = []
+        self._engines = threading.local()
 
     def read_rows(
         self,
@@ -108,22 +117,47 @@ class ChunkReader:
         layers: list[int],
         dest: dict[str, np.ndarray],
     ) -> list[int]:
-        """Read and verify layer by layer. The whole range is announced first
-        (WILLNEED), so the disk streams layer l+1 while layer l is verified."""
-        plans = [_segments(header, items, li, dest) for li in layers]
-        first = min((plan[0][0] for plan in plans if plan), default=0)
-        end = max((p[-1][0] + p[-1][3].nbytes for p in plans if p), default=0)
-        if end > first:
-            os.posix_fadvise(fd, first, end - first, os.POSIX_FADV_WILLNEED)
-        sums = header.checksums.tolist() if self._verify else []
+        """Read every requested layer through the engine (queue_depth requests in
+        flight) and verify each layer as soon as its last read completes, so
+        checksums of early layers overlap the disk reading later ones."""
+        requests: list[IORequest] = []
+        owners: list[tuple[int, Segment]] = []  # request tag -> (layer pos, segment)
+        remaining = []
+        for pos, li in enumerate(layers):
+            plan = _segments(header, items, li, dest)
+            remaining.append(len(plan))
+            for segment in plan:
+                requests.append(
+                    IORequest(READ, fd, segment[0], segment[3].data, len(requests))
+                )
+                owners.append((pos, segment))
+        sums = header.checksums
         failed: set[int] = set()
-        for li, plan in zip(layers, plans, strict=True):
-            failed |= _preadv_segments(fd, plan)
-            if self._verify:
-                failed |= self._bad_rows(header, items, li, dest, sums)
-        if failed:
-            self._counters.add(checksum_errors=len(failed))
+        for done in self._engine().stream(requests):
+            pos, (_, first, count, buffer) = owners[done.tag]
+            if done.result != buffer.nbytes:  # short read (truncated file) or -errno
+                failed.update(range(first, first + count))
+            remaining[pos] -= 1
+            if remaining[pos] == 0 and self._verify:
+                failed |= self._bad_rows(header, items, layers[pos], dest, sums)
         return [i for i, _ in items if i not in failed]
+
+    def _engine(self) -> IOEngine:
+        engine: IOEngine | None = getattr(self._engines, "engine", None)
+        if engine is None:
+            engine = make_engine(self._engine_kind, self._queue_depth)
+            self._engines.engine = engine
+            with self._lock:
+                self._all_engines.append(engine)
+        return engine
+
+    def close(self) -> None:
+        """Release the engines of every thread that read."""
+        with self._lock:
+            engines, self._all_engines = self._all_engines, []
+        for engine in engines:
+            engine.close()
+        self._engines = threading.local()
 
     def _bad_rows(
         self,
@@ -131,23 +165,25 @@ class ChunkReader:
         items: list[Item],
         li: int,
         dest: dict[str, np.ndarray],
-        sums: list[list[int]],
+        sums: np.ndarray,
     ) -> set[int]:
-        """Key indices whose layer ``li`` does not match its checksum."""
+        """Key indices whose layer ``li`` does not match its checksum: one
+        checksum call per run of consecutive rows (GIL-free when native)."""
         arrays = [dest[entry.name] for entry in header.layers[li]]
         bad = set()
-        for i, row in items:
-            digest = xxhash.xxh3_64(arrays[0][i])
-            for array in arrays[1:]:
-                digest.update(array[i])
-            if digest.intdigest() != sums[row][li]:
-                bad.add(i)
+        for first, row, count in _runs(items):
+            found = layer_checksums([a[first : first + count] for a in arrays], count)
+            wrong = np.nonzero(found != sums[row : row + count, li])[0]
+            for offset in wrong.tolist():
+                bad.add(first + offset)
                 logger.warning(
                     "checksum mismatch in %s row %d layer %d: a miss",
                     header.path,
-                    row,
+                    row + offset,
                     li,
                 )
+        if bad:
+            self._counters.add(checksum_errors=len(bad))
         return bad
 
     def _header(self, chunk_id: int, fd: int, path: str) -> ChunkHeader | None:
@@ -174,40 +210,23 @@ def _segments(
 ) -> list[Segment]:
     """Reads of layer ``li`` for the items: one per run of consecutive rows that
     land in consecutive destination rows, per tensor; sorted by file offset."""
-    runs: list[list[int]] = []  # [first key index, first row, count]
+    segments = [
+        (entry.begin + row * entry.row_bytes, i, count, dest[entry.name][i : i + count])
+        for entry in header.layers[li]
+        for i, row, count in _runs(items)
+    ]
+    segments.sort(key=lambda segment: segment[0])
+    return segments
+
+
+def _runs(items: list[Item]) -> list[tuple[int, int, int]]:
+    """``(first key index, first row, count)`` of maximal runs in which both the
+    key index and the row go up by one."""
+    runs: list[list[int]] = []
     for i, row in sorted(items, key=lambda item: item[1]):
         last = runs[-1] if runs else None
         if last and i == last[0] + last[2] and row == last[1] + last[2]:
             last[2] += 1
         else:
             runs.append([i, row, 1])
-    segments = [
-        (entry.begin + row * entry.row_bytes, i, count, dest[entry.name][i : i + count])
-        for entry in header.layers[li]
-        for i, row, count in runs
-    ]
-    segments.sort(key=lambda segment: segment[0])
-    return segments
-
-
-def _preadv_segments(fd: int, segments: list[Segment]) -> set[int]:
-    """Read the segments, merging file-adjacent ones into one ``preadv``;
-    returns the key indices whose rows were not filled (short read)."""
-    failed: set[int] = set()
-    start = 0
-    while start < len(segments):
-        offset = segments[start][0]
-        end, cursor = start, offset
-        while (
-            end < len(segments)
-            and end - start < _IOV_MAX
-            and segments[end][0] == cursor
-        ):
-            cursor += segments[end][3].nbytes
-            end += 1
-        batch = segments[start:end]
-        if os.preadv(fd, [seg[3].data for seg in batch], offset) != cursor - offset:
-            for _, first, count, _ in batch:  # short read: the file was truncated
-                failed.update(range(first, first + count))
-        start = end
-    return failed
+    return [(first, row, count) for first, row, count in runs]

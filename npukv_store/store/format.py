@@ -25,9 +25,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
+from npukv_store import native
 from npukv_store.errors import BadMagic, CorruptChunk
+from npukv_store.native import BufferLike
 from npukv_store.spec import CHECKSUM_TENSOR, FORMAT_VERSION, NamespaceSpec
 from npukv_store.store.format_checks import (
     META_CREATED_NS,
@@ -152,17 +153,10 @@ def compute_checksums(
     return out
 
 
-def layer_checksums(parts: Sequence[memoryview], num_blocks: int) -> list[int]:
+def layer_checksums(parts: Sequence[BufferLike], num_blocks: int) -> np.ndarray:
     """xxh3_64 of each block's bytes of one layer, given the layer's part views
     (each ``num_blocks`` rows, in file order)."""
-    sizes = [len(part) // num_blocks for part in parts]
-    sums = []
-    for block in range(num_blocks):
-        digest = xxhash.xxh3_64()
-        for part, size in zip(parts, sizes, strict=True):
-            digest.update(part[block * size : (block + 1) * size])
-        sums.append(digest.intdigest())
-    return sums
+    return native.xxh3_rows(parts, num_blocks)
 
 
 def build_chunk(
@@ -191,12 +185,9 @@ def build_chunk(
     ]
 
 
-def layer_checksum(parts: Sequence[memoryview]) -> int:
+def layer_checksum(parts: Sequence[BufferLike]) -> int:
     """xxh3_64 over one block's parts of one layer, in file order."""
-    digest = xxhash.xxh3_64()
-    for part in parts:
-        digest.update(part)
-    return digest.intdigest()
+    return int(native.xxh3_rows(parts, 1)[0])
 
 
 def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:

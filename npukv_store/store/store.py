@@ -70,7 +70,8 @@ class KVStore:
         self._unlinked: list[int] = []  # evicted chunk files removed by us
         self._reader = ChunkReader(
             self.dir, spec, self.namespace, self.counters,
-            verify=config.verify == "always",
+            verify=config.verify == "always", engine_kind=config.io_engine,
+            queue_depth=config.io_queue_depth,
         )  # fmt: skip
         self._touched: set[bytes] = set()  # chunk ids (8 bytes LE) read
         self._touched_keys: set[bytes] = set()  # keys found by lookups
@@ -394,6 +395,7 @@ class KVStore:
             unlinked = self._take_unlinked()
             if unlinked:
                 self.index.forget_dead(unlinked)
+            self._reader.close()
             self.index.close()
 
     def __enter__(self) -> KVStore:
