@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator
 
 from npukv_store.errors import BadMagic, ConfigError, VersionMismatch
+from npukv_store.liveness import pid_alive
 from npukv_store.spec import FORMAT_VERSION
 
 MARKER = "NPUKV_STORE"
@@ -40,17 +41,6 @@ HOST = socket.gethostname()
 _TMP_RE = re.compile(r"^(\d+)-[0-9a-f]+\.tmp$")
 _CHUNK_RE = re.compile(r"^([0-9a-f]{16})\.safetensors$")
 _NS_RE = re.compile(r"^[0-9a-f]{32}$")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with ``pid`` exists on this host (pid reuse says yes)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by another user
-    return True
 
 
 class CacheDir:

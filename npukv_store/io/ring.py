@@ -1,0 +1,207 @@
+"""The staging ring: a /dev/shm file, mapped, carved into FIFO regions.
+
+Runs in: one worker process; producer (the forward pass's save hook) and consumer
+(the background writer) are threads of it. Thread-safe: one lock guards the
+allocator; it is held for microseconds, never across a copy or any I/O.
+
+    reserve() - a contiguous region for one save batch, or None when full (the
+                caller drops the batch and counts it: the producer never waits)
+    release() - the writer is done with a region; space comes back in FIFO order
+    remove_stale_rings() - unlink rings whose owner process is dead
+
+A batch's region is laid out exactly like the chunk file it becomes (header page,
+then the data section layer by layer, then the checksum table), so the writer
+writes it to disk with a few large writes and no copy. Regions start on
+4096-byte boundaries (page and O_DIRECT alignment).
+
+Shared header (the first 4096 bytes of the file, little-endian)::
+
+    0  magic  8s  b"NPUKVRNG"   written once by the owner at creation
+    8  format u32 RING_FORMAT   written once; readers refuse another value
+    12 header u32 4096          written once
+    16 size   u64 data bytes    written once
+    24 pid    u32 owner pid     written once; stale-ring cleanup reads it
+    32 head   u64 next reserve  owner only, after each reserve; informational
+    40 tail   u64 oldest live   owner only, after each release; informational
+
+Only the owner writes; other processes only read magic/format/pid to find
+stale rings, so there is no cross-process ordering to get wrong. A stale read
+of head/tail (they are for ``npukv`` inspection) costs nothing. A killed owner
+leaves the file; the next ring created in that directory removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import secrets
+import struct
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from npukv_store.errors import BadMagic, VersionMismatch
+from npukv_store.liveness import pid_alive
+
+logger = logging.getLogger(__name__)
+
+RING_MAGIC = b"NPUKVRNG"
+RING_FORMAT = 1
+HEADER_BYTES = 4096
+ALIGN = 4096
+_HEADER = struct.Struct("<8sIIQI")  # magic, format, header bytes, size, pid
+_HEAD_TAIL = struct.Struct("<QQ")
+_HEAD_TAIL_OFFSET = 32
+NAME_PREFIX = "npukv-ring-"
+
+
+@dataclass(slots=True)
+class Region:
+    """A reserved range of the ring's data area: ``[offset, offset + nbytes)``."""
+
+    offset: int
+    nbytes: int
+    seq: int
+    released: bool = False
+
+
+class StagingRing:
+    """A FIFO allocator of contiguous regions over a mapped /dev/shm file.
+
+    Args:
+        size_bytes: bytes of the data area (rounded up to 4096).
+        directory: where the ring file lives (``/dev/shm``: page cache only).
+    """
+
+    def __init__(self, size_bytes: int, *, directory: str = "/dev/shm") -> None:
+        if size_bytes < ALIGN:
+            raise ValueError(f"ring size: found {size_bytes}, expected >= {ALIGN}")
+        self.size = -(-size_bytes // ALIGN) * ALIGN
+        remove_stale_rings(directory)
+        name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = os.path.join(directory, name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, HEADER_BYTES + self.size)
+            self._map = mmap.mmap(fd, HEADER_BYTES + self.size)
+        finally:
+            os.close(fd)
+        _HEADER.pack_into(
+            self._map, 0, RING_MAGIC, RING_FORMAT, HEADER_BYTES, self.size, os.getpid()
+        )
+        self.data = np.frombuffer(self._map, dtype=np.uint8, offset=HEADER_BYTES)
+        self.data[::ALIGN] = 0  # pre-fault every page now, not on the hot path
+        self._lock = threading.Lock()
+        self._live: deque[Region] = deque()  # reserved, in FIFO order
+        self._head = 0  # next reserve starts here (or wraps to 0)
+        self._seq = 0
+        self.reserved_count = 0
+        self.full_count = 0
+
+    def reserve(self, nbytes: int) -> Region | None:
+        """A region of at least ``nbytes`` (rounded up to 4096), or None if the
+        ring has no contiguous room now. Never blocks."""
+        if nbytes <= 0:
+            raise ValueError(f"reserve: found {nbytes} bytes, expected > 0")
+        size = -(-nbytes // ALIGN) * ALIGN
+        with self._lock:
+            offset = self._find_room(size)
+            if offset is None:
+                self.full_count += 1
+                return None
+            region = Region(offset, size, self._seq)
+            self._seq += 1
+            self._live.append(region)
+            self._head = offset + size
+            self.reserved_count += 1
+            self._publish_head_tail()
+            return region
+
+    def _find_room(self, size: int) -> int | None:
+        if not self._live:
+            self._head = 0  # empty: start over at the bottom, no wasted tail
+            return 0 if size <= self.size else None
+        tail = self._live[0].offset
+        if self._head > tail:  # live data in [tail, head): free above and below
+            if self._head + size <= self.size:
+                return self._head
+            return 0 if size <= tail else None  # wrap, leaving [head, size) idle
+        # wrapped: live data in [tail, size) and [0, head); free is [head, tail)
+        return self._head if self._head + size <= tail else None
+
+    def release(self, region: Region) -> None:
+        """Give ``region`` back. Space returns in FIFO order: a region released
+        before an older one is reclaimed when the older one is released too."""
+        with self._lock:
+            if region.released:
+                raise ValueError(f"region {region.seq} released twice")
+            region.released = True
+            while self._live and self._live[0].released:
+                self._live.popleft()
+            self._publish_head_tail()
+
+    def view(self, region: Region) -> np.ndarray:
+        """The region's bytes (uint8), valid until it is released."""
+        return self.data[region.offset : region.offset + region.nbytes]
+
+    @property
+    def live_regions(self) -> int:
+        """Regions reserved and not yet reclaimed."""
+        with self._lock:
+            return len(self._live)
+
+    def _publish_head_tail(self) -> None:
+        tail = self._live[0].offset if self._live else self._head
+        _HEAD_TAIL.pack_into(self._map, _HEAD_TAIL_OFFSET, self._head, tail)
+
+    def close(self) -> None:
+        """Unmap and unlink the ring. Idempotent; regions become invalid."""
+        if getattr(self, "_map", None) is None:
+            return
+        del self.data
+        with contextlib.suppress(BufferError):  # a caller still holds a view
+            self._map.close()
+        self._map = None  # type: ignore[assignment]
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def read_ring_header(path: str) -> tuple[int, int]:
+    """``(size, owner pid)`` of the ring file at ``path``.
+
+    Raises:
+        BadMagic: not a ring file. VersionMismatch: another ring format.
+    """
+    with open(path, "rb") as handle:
+        raw = handle.read(_HEADER.size)
+    if len(raw) < _HEADER.size or raw[:8] != RING_MAGIC:
+        raise BadMagic(f"{path}: no ring magic {RING_MAGIC!r}; not an npukv ring")
+    _, fmt, _, size, pid = _HEADER.unpack(raw)
+    if fmt != RING_FORMAT:
+        raise VersionMismatch(f"{path}: ring format {fmt}, expected {RING_FORMAT}")
+    return size, pid
+
+
+def remove_stale_rings(directory: str = "/dev/shm") -> int:
+    """Unlink rings in ``directory`` whose owner is dead; returns how many."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(NAME_PREFIX)]
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            _, pid = read_ring_header(path)
+        except (OSError, BadMagic, VersionMismatch):
+            continue  # not ours to judge, or gone already
+        if not pid_alive(pid):
+            with contextlib.suppress(FileNotFoundError):  # another cleaner won
+                os.unlink(path)
+            removed += 1
+            logger.info("removed stale staging ring %s of dead pid %d", path, pid)
+    return removed
