@@ -7,11 +7,9 @@ from setuptools import Extension, setup
 SOURCES = ["module.c", "fileio.c", "checksum.c", "copy.c", "uring.c"]
 # The xxhash header (Debian: libxxhash-dev) enables the GIL-free checksums;
 # without it the module builds anyway and npukv_store uses the Python twin.
-HAVE_XXHASH = any(
-    os.path.exists(os.path.join(d, "xxhash.h"))
-    for d in ["/usr/include", "/usr/local/include", *os.environ.get("CPATH", "").split(":")]
-    if d
-)
+INCLUDE_DIRS = ["/usr/include", "/usr/local/include"]
+INCLUDE_DIRS += [d for d in os.getenv("CPATH", "").split(":") if d]
+HAVE_XXHASH = any(os.path.exists(os.path.join(d, "xxhash.h")) for d in INCLUDE_DIRS)
 
 setup(
     ext_modules=[

@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.."
 
 source scripts/setup_env.sh
 
-echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
+echo "== ruff"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 echo "== mypy"; .venv/bin/mypy
 echo "== pytest"
 "$PY" -m pytest -q "$@"
