@@ -61,7 +61,14 @@ from typing import Any
 
 import numpy as np
 
-from npukv_store import KVStore, LayerSpec, NamespaceSpec, PartSpec, StoreConfig
+from npukv_store import (
+    KVStore,
+    LayerSpec,
+    NamespaceSpec,
+    PartSpec,
+    PutResult,
+    StoreConfig,
+)
 from npukv_store.hashing import namespace_fingerprint
 from npukv_store.store.directory import HOST, CacheDir
 from npukv_store.store.format import encode_header
@@ -185,6 +192,26 @@ def max_chunk_bytes(spec: NamespaceSpec, num_blocks: int) -> int:
     return len(header) + num_blocks * (spec.block_bytes + 8 * len(spec.layers))
 
 
+def do_put(store: KVStore, keys: list[bytes], tensors, mode: str):
+    """One put the way ``mode`` says: "sync" is ``put``; "async" is
+    ``put_async`` + ``flush`` (the async path's durability point), with the
+    outcome read from the counters the writer thread updated."""
+    if mode == "sync":
+        return store.put(keys, tensors)
+    before = store.counters.snapshot()
+    staged = store.put_async(keys, tensors)
+    if not store.flush(timeout_s=60):
+        raise RuntimeError("flush() did not finish in 60 s")
+    after = store.counters.snapshot()
+    if staged.dropped or after["failed_batches"] != before["failed_batches"]:
+        raise RuntimeError(f"async put lost its batch: {staged}, {after}")
+    return PutResult(
+        stored=after["put_blocks"] - before["put_blocks"],
+        skipped=after["skipped_blocks"] - before["skipped_blocks"],
+        rejected=after["rejected_blocks"] - before["rejected_blocks"],
+    )
+
+
 def indexed_keys(store: KVStore) -> list[bytes]:
     """Every key the shared index holds (one snapshot)."""
     return [key for key, _, _ in store.index.iter_keys()]
@@ -297,11 +324,12 @@ def _mp_worker(
     fault_after_s: float | None,
     barrier,
     results,
+    mode: str = "sync",
 ) -> None:
     """Entry point of one spawned worker: reports ("ok"|"error", wid, payload)."""
     try:
         report = _mp_worker_loop(
-            wid, config_kwargs, seed, seconds, fault_after_s, barrier
+            wid, config_kwargs, seed, seconds, fault_after_s, barrier, mode
         )
         results.put(("ok", wid, report))
     except BaseException:
@@ -316,6 +344,7 @@ def _mp_worker_loop(
     seconds: float,
     fault_after_s: float | None,
     barrier,
+    mode: str = "sync",
 ) -> dict[str, Any]:
     spec = tiny_spec()
     # Odd workers trust the disk (verify="never"): a wrong row they get is not
@@ -359,7 +388,7 @@ def _mp_worker_loop(
             # skip path and to race whole chunks against other workers.
             put_keys = keys if rng.random() < 0.25 else keys[hit:]
             absent = sum(loc is None for loc in store.index.locate(put_keys))
-            result = store.put(put_keys, make_tensors(spec, put_keys))
+            result = do_put(store, put_keys, make_tensors(spec, put_keys), mode)
             tally["put_stored"] += result.stored
             tally["put_skipped"] += result.skipped
             tally["put_rejected"] += result.rejected
@@ -389,8 +418,10 @@ def run_multiprocess(
     fsync: str = "never",
     seed: int = 0,
     fault_after_s: float | None = None,
+    mode: str = "sync",
 ) -> dict[str, Any]:
-    """``workers`` spawned processes put, look up and read one small cache.
+    """``workers`` spawned processes put, look up and read one small cache
+    (``mode`` "async": puts go through the ring and the background writer).
 
     Proves: no read returns wrong bytes (hit or miss only); the ledger never
     exceeds capacity by more than one chunk (sampled by every worker after every
@@ -416,8 +447,12 @@ def run_multiprocess(
         "capacity": capacity,
         "evict_grace_s": grace_s,
         "fsync": fsync,
+        "ring_size": "4MiB",
     }
-    where = f"run_multiprocess(seed={seed}, workers={workers}, seconds={seconds})"
+    where = (
+        f"run_multiprocess(mode={mode}, seed={seed}, workers={workers}, "
+        f"seconds={seconds})"
+    )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # The parent joins the barrier too: it opens its sampling handle only once
@@ -426,7 +461,16 @@ def run_multiprocess(
     procs = [
         ctx.Process(
             target=_mp_worker,
-            args=(wid, config_kwargs, seed, seconds, fault_after_s, barrier, results),
+            args=(
+                wid,
+                config_kwargs,
+                seed,
+                seconds,
+                fault_after_s,
+                barrier,
+                results,
+                mode,
+            ),  # fmt: skip
             name=f"npukv-mp-worker-{wid}",
             daemon=True,
         )
@@ -708,10 +752,12 @@ def _crash_writer(
     skip_puts: int,
     ready,
     phase,
+    mode: str = "sync",
 ) -> None:
-    """Child: put batches forever; after each put *returns*, append one line
-    ``batch stored skipped rejected`` to ``log_path`` (a SIGKILL cannot lose a
-    completed write(2); the parent only needs the kernel to have it)."""
+    """Child: put batches forever (``mode`` as in :func:`do_put`); after each
+    put *returns*, append one line ``batch stored skipped rejected`` to
+    ``log_path`` (a SIGKILL cannot lose a completed write(2); the parent only
+    needs the kernel to have it)."""
     try:
         spec = tiny_spec()
         store = KVStore(StoreConfig(**config_kwargs), spec)
@@ -727,7 +773,7 @@ def _crash_writer(
             keys = crash_batch_keys(trial_seed, batch)
             tensors = make_tensors(spec, keys)
             armed[0] = batch >= skip_puts
-            result = store.put(keys, tensors)
+            result = do_put(store, keys, tensors, mode)
             phase.value = PHASE_IDLE
             line = f"{batch} {result.stored} {result.skipped} {result.rejected}\n"
             os.write(fd, line.encode())
@@ -768,8 +814,11 @@ def run_crash_trials(
     *,
     evict: bool = False,
     seed: int = 0,
+    mode: str = "sync",
 ) -> dict[str, Any]:
     """Run ``plan``: each trial spawns a writer, SIGKILLs it, reopens and checks.
+    With ``mode="async"`` the writer stages through the ring and a put "returns"
+    when its ``flush()`` does; kills then land on the background writer thread.
 
     All trials share ``cache_dir``, so each reopen also re-verifies what earlier
     trials left. Without ``evict`` the capacity is far above what the trials
@@ -788,6 +837,7 @@ def run_crash_trials(
         "capacity": capacity,
         "evict_grace_s": 0.0 if evict else 5.0,
         "fsync": "chunk",
+        "ring_size": "4MiB",
     }
     config = StoreConfig(**config_kwargs)
     ctx = mp.get_context("spawn")
@@ -814,6 +864,7 @@ def run_crash_trials(
                 trial.skip_puts,
                 ready,
                 phase,
+                mode,
             ),
             name=f"npukv-crash-writer-{number}",
             daemon=True,

@@ -2,7 +2,8 @@
 
 Runs in: any process that puts; no shared state, thread-safe.
 
-    write_chunk() - tmp/ write (layer by layer), fsync, rename into <ns>/chunks/
+    write_chunk()   - tmp/ write (layer by layer), fsync, rename into <ns>/chunks/
+    publish_image() - the same for a chunk image already in memory (the ring)
 
 The file only appears under ``chunks/`` by ``rename()`` once complete (and
 fsynced with ``fsync=chunk``), so no reader can ever see a partial chunk. A
@@ -18,6 +19,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from npukv_store import native
+from npukv_store.io.engine import IOEngine
+from npukv_store.io.writer import write_image
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store.directory import HOST, CacheDir
 from npukv_store.store.format import encode_header, layer_checksums
@@ -57,6 +60,40 @@ def write_chunk(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         size = _write_layers(fd, spec, header, rows, len(keys), sync)
+        if sync:
+            os.fsync(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+    finally:
+        os.close(fd)
+    if sync:
+        _fsync_dir(os.path.dirname(path))
+    return path, size
+
+
+def publish_image(
+    cdir: CacheDir,
+    namespace: str,
+    chunk_id: int,
+    image: np.ndarray,
+    engine: IOEngine,
+    *,
+    sync: bool,
+) -> tuple[str, int]:
+    """Write a complete chunk image (header, data, checksums) from memory through
+    ``engine`` and move it into place (no index rows yet): the background
+    writer's path, with a few large requests straight from the staging ring.
+
+    Returns:
+        The chunk's final path and its size in bytes.
+    """
+    path = cdir.chunk_path(namespace, chunk_id)
+    tmp = cdir.tmp_path(chunk_id)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        size = write_image(engine, fd, image)
         if sync:
             os.fsync(fd)
         os.rename(tmp, path)

@@ -14,6 +14,9 @@ _COUNTERS = (
     "put_blocks",
     "put_bytes",
     "skipped_blocks",
+    "queued_blocks",
+    "dropped_blocks",
+    "failed_batches",
     "rejected_blocks",
     "evicted_chunks",
     "lookups",
@@ -30,11 +33,14 @@ _COUNTERS = (
 @dataclass(frozen=True, slots=True)
 class PutResult:
     """Rows of one put: stored, skipped (already stored or in flight), rejected
-    (no room: every evictable chunk was touched within the grace period)."""
+    (no room: every evictable chunk was touched within the grace period); for
+    put_async also queued (staged for the writer) and dropped (ring full)."""
 
     stored: int
     skipped: int
     rejected: int
+    queued: int = 0
+    dropped: int = 0
 
 
 class StoreCounters:

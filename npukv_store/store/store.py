@@ -4,6 +4,8 @@ Runs in: any process; many processes may open the same cache directory at once.
 A handle is thread-safe; after fork() it reopens its index in the child.
 
     put()    - write a batch of blocks as one chunk and publish it
+    put_async() / flush() - stage a batch in the shared-memory ring; a
+               background writer publishes it (never blocks; full ring: drop)
     lookup() - longest stored prefix of a key chain
     read()   - rows of named tensors (whole blocks or single layers) into buffers
     stats()  - directory-wide and process-local counters
@@ -31,6 +33,7 @@ import numpy as np
 from npukv_store.config import StoreConfig
 from npukv_store.errors import NamespaceMismatch
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
+from npukv_store.io.writer import Event
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import recovery
 from npukv_store.store.arrays import byte_rows
@@ -38,6 +41,7 @@ from npukv_store.store.chunk_reader import ChunkReader
 from npukv_store.store.chunk_writer import unlink_quietly, write_chunk
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.index import ChunkRecord
+from npukv_store.store.saver import AsyncSaver
 from npukv_store.store.stats import PutResult, StoreCounters, StoreStats
 
 logger = logging.getLogger(__name__)
@@ -67,6 +71,7 @@ class KVStore:
         self.counters = StoreCounters()
         self._lock = threading.Lock()
         self._in_flight: set[bytes] = set()
+        self._async: AsyncSaver | None = None  # ring + writer, on first put_async
         self._unlinked: list[int] = []  # evicted chunk files removed by us
         self._reader = ChunkReader(
             self.dir, spec, self.namespace, self.counters,
@@ -118,6 +123,7 @@ class KVStore:
             self._reader.clear()
             self._in_flight.clear()
             self._touch_thread = None
+            self._async = None  # the parent's ring and writer thread stay its own
             self._open()
 
     def keys_for(
@@ -152,8 +158,7 @@ class KVStore:
         try:
             return self._put_claimed(keys, rows, fresh)
         finally:
-            with self._lock:
-                self._in_flight.difference_update(keys[i] for i in fresh)
+            self._release_claims([keys[i] for i in fresh])
 
     def _input_rows(
         self, keys: Sequence[bytes], tensors: Mapping[str, object]
@@ -200,6 +205,19 @@ class KVStore:
             self.dir, self.spec, self.namespace, chunk_id, keys, rows,
             created_ns=created, sync=self._sync,
         )  # fmt: skip
+        return self._commit(chunk_id, keys, path, size, created, skipped)
+
+    def _commit(
+        self,
+        chunk_id: int,
+        keys: Sequence[bytes],
+        path: str,
+        size: int,
+        created: int,
+        skipped: int,
+    ) -> PutResult:
+        """Publish a chunk file already in place: index rows (evicting for room),
+        then unlink what lost. Shared by put() and the background writer."""
         record = ChunkRecord(
             chunk_id,
             self.fingerprint,
@@ -242,6 +260,56 @@ class KVStore:
             skipped=len(keys) - stored - rejected + skipped,
             rejected=rejected,
         )
+
+    def put_async(
+        self,
+        keys: Sequence[bytes],
+        tensors: Mapping[str, object],
+        event: Event | None = None,
+    ) -> PutResult:
+        """Stage a batch of blocks in the shared-memory ring and return at once.
+
+        The background writer publishes it later (see :meth:`flush`). Blocks
+        already stored or in flight are skipped; when the ring has no room the
+        whole batch is dropped and counted (``dropped``): saving never waits.
+
+        Args:
+            keys, tensors: as for :meth:`put`.
+            event: for device callers, what to wait for before the staged bytes
+                are complete (a D2H copy into the ring); None on the CPU.
+
+        Returns:
+            ``queued``, ``skipped`` and ``dropped`` block counts.
+        """
+        self._check_fork()
+        rows = self._input_rows(keys, tensors)
+        fresh = self._claim(keys)
+        queued = self._saver().stage(keys, rows, fresh, event)
+        skipped = len(keys) - len(fresh)
+        dropped = len(fresh) - queued
+        if dropped:
+            self._release_claims([keys[i] for i in fresh])
+        self.counters.add(
+            skipped_blocks=skipped, queued_blocks=queued, dropped_blocks=dropped
+        )
+        return PutResult(
+            stored=0, skipped=skipped, rejected=0, queued=queued, dropped=dropped
+        )
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything put_async'ed so far is published (visible to
+        other processes) or has failed. Returns False on timeout."""
+        return self._async is None or self._async.flush(timeout_s)
+
+    def _saver(self) -> AsyncSaver:
+        with self._lock:
+            if self._async is None:
+                self._async = AsyncSaver(self)
+            return self._async
+
+    def _release_claims(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._in_flight.difference_update(keys)
 
     # -- lookup and read -------------------------------------------------------
 
@@ -395,6 +463,8 @@ class KVStore:
             unlinked = self._take_unlinked()
             if unlinked:
                 self.index.forget_dead(unlinked)
+            if self._async is not None:
+                self._async.close()  # drains complete batches into the index
             self._reader.close()
             self.index.close()
 

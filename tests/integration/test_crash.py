@@ -45,25 +45,29 @@ from scenarios import (  # noqa: E402
 from npukv_store import KVStore, StoreConfig  # noqa: E402
 
 
-@pytest.mark.timeout(120)
-def test_sigkill_at_random_points(tmp_path):
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("mode", "trials"), [("sync", 10), ("async", 20)])
+def test_sigkill_at_random_points(tmp_path, mode, trials):
+    """async: the child stages through the ring and flushes; kills land in the
+    background writer's flush (at least 20 trials, as the data path asks)."""
     seed = random.randrange(2**32)  # every failure message names it
-    plan = random_plan(10, random.Random(seed), max_delay_s=0.15)
+    plan = random_plan(trials, random.Random(seed), max_delay_s=0.15)
     summary = run_crash_trials(
-        str(tmp_path / "cache"), str(tmp_path / "logs"), plan, seed=seed
+        str(tmp_path / "cache"), str(tmp_path / "logs"), plan, seed=seed, mode=mode
     )
-    assert summary["trials"] == 10
+    assert summary["trials"] == trials
     # The children got some puts through, and those were checked after kills.
     assert summary["puts_returned"] > 0, summary
     assert summary["returned_keys_verified"] > 0, summary
 
 
 @pytest.mark.timeout(120)
-def test_sigkill_in_each_publish_window(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_in_each_publish_window(tmp_path, mode):
     seed = random.randrange(2**32)
     plan = targeted_plan(PUBLISH_PHASES, repeats=2)
     summary = run_crash_trials(
-        str(tmp_path / "cache"), str(tmp_path / "logs"), plan, seed=seed
+        str(tmp_path / "cache"), str(tmp_path / "logs"), plan, seed=seed, mode=mode
     )
     for phase in PUBLISH_PHASES:
         assert summary[f"killed_in.{scenarios.PHASE_NAMES[phase]}"] == 2, summary

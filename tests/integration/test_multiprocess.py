@@ -30,7 +30,8 @@ import scenarios  # noqa: E402
 
 
 @pytest.mark.timeout(120)
-def test_workers_race_on_shared_prefixes_under_eviction(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_workers_race_on_shared_prefixes_under_eviction(tmp_path, mode):
     seed = random.randrange(2**32)  # every failure message names it
     summary = scenarios.run_multiprocess(
         str(tmp_path / "cache"),
@@ -40,6 +41,7 @@ def test_workers_race_on_shared_prefixes_under_eviction(tmp_path):
         grace_s=0.05,  # at 0.2 s nearly every put is rejected: little eviction
         fsync="never",
         seed=seed,
+        mode=mode,
     )
     totals = summary["totals"]
     # run_multiprocess asserts correctness; here: the run had real contention.

@@ -42,23 +42,36 @@ pytestmark = pytest.mark.stress
 
 
 def multiprocess_stress(
-    root: Path, *, seconds: float, workers: int, seed: int, grace_s: float = 0.05
+    root: Path,
+    *,
+    seconds: float,
+    workers: int,
+    seed: int,
+    grace_s: float = 0.05,
+    mode: str = "sync",
 ) -> dict[str, Any]:
     return scenarios.run_multiprocess(
-        str(root / "mp-cache"),
+        str(root / f"mp-cache-{mode}"),
         workers=workers,
         seconds=seconds,
         capacity_chunks=8,
         grace_s=grace_s,
         fsync="never",
         seed=seed,
+        mode=mode,
     )
 
 
-def crash_stress(root: Path, *, trials: int, seed: int) -> dict[str, Any]:
+def crash_stress(
+    root: Path, *, trials: int, seed: int, mode: str = "sync"
+) -> dict[str, Any]:
     plan = scenarios.mixed_plan(trials, random.Random(seed), scenarios.PUBLISH_PHASES)
     return scenarios.run_crash_trials(
-        str(root / "crash-cache"), str(root / "crash-logs"), plan, seed=seed
+        str(root / f"crash-cache-{mode}"),
+        str(root / f"crash-logs-{mode}"),
+        plan,
+        seed=seed,
+        mode=mode,
     )
 
 
@@ -74,18 +87,24 @@ def evict_crash_stress(root: Path, *, trials: int, seed: int) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(600)
-def test_multiprocess_stress(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_multiprocess_stress(tmp_path, mode):
     seed = random.randrange(2**32)  # every failure message names it
     summary = multiprocess_stress(
-        tmp_path, seconds=DEFAULT_SECONDS, workers=DEFAULT_WORKERS, seed=seed
+        tmp_path,
+        seconds=DEFAULT_SECONDS,
+        workers=DEFAULT_WORKERS,
+        seed=seed,
+        mode=mode,
     )
     assert summary["totals"]["counter.evicted_chunks"] > 0, summary
 
 
 @pytest.mark.timeout(600)
-def test_crash_stress(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_crash_stress(tmp_path, mode):
     seed = random.randrange(2**32)
-    summary = crash_stress(tmp_path, trials=DEFAULT_TRIALS, seed=seed)
+    summary = crash_stress(tmp_path, trials=DEFAULT_TRIALS, seed=seed, mode=mode)
     assert summary["trials"] == DEFAULT_TRIALS
     assert summary["returned_keys_verified"] > 0, summary
 
@@ -107,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=DEFAULT_WORKERS)
     parser.add_argument("--grace", type=float, default=0.05, help="evict_grace_s")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--mode", choices=("sync", "async"), default="sync")
     parser.add_argument(
         "--dir", type=Path, default=None, help="work directory (default: a temp dir)"
     )
@@ -131,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                 workers=args.workers,
                 seed=seed,
                 grace_s=args.grace,
+                mode=args.mode,
             ),
-            "crash": lambda: crash_stress(root, trials=args.trials, seed=seed),
+            "crash": lambda: crash_stress(
+                root, trials=args.trials, seed=seed, mode=args.mode
+            ),
             "evict": lambda: evict_crash_stress(root, trials=evict_trials, seed=seed),
         }
         for name, run in runs.items():

@@ -1,0 +1,184 @@
+"""The background writer: turns committed ring regions into published chunks.
+
+Runs in: a worker process, as one daemon thread ("npukv-writer") per store
+handle. ``submit()`` is called by the producer (never blocks); everything else
+happens on the writer thread, whose waiting and I/O release the GIL.
+
+    submit()  - queue a filled batch (FIFO)
+    flush()   - wait until every batch submitted so far is visible to others
+    close()   - drain complete batches, drop incomplete ones, stop the thread
+    write_image() - write a chunk image from memory with a few large requests
+
+Per batch the thread waits for the batch's device event (D2H copy into the
+ring; None or already complete on the CPU), then calls ``publish(batch)``
+(checksums, write through the engine, fsync, rename, index commit: see
+``KVStore._publish_batch``), then releases the ring region. A failure in publish
+is logged and counted; the batch is lost, never half-visible, and the thread
+goes on with the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from npukv_store.errors import IOEngineError
+from npukv_store.io.engine import WRITE, IOEngine, IORequest
+from npukv_store.io.ring import Region, StagingRing
+
+logger = logging.getLogger(__name__)
+
+#: Bytes per write request: large enough to be few, small enough that several
+#: are in flight at once (queue depth) and buffered writes stay fast.
+WRITE_PIECE_BYTES = 4 << 20
+
+
+class Event(Protocol):
+    """What a batch waits for before its bytes are read (a device event)."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+@dataclass(slots=True)
+class SaveBatch:
+    """One chunk's worth of blocks staged in a ring region.
+
+    ``image`` is the region's first ``file_bytes`` bytes: header, data section,
+    checksum table (filled by publish), exactly the chunk file to write.
+    """
+
+    region: Region
+    image: np.ndarray
+    keys: tuple[bytes, ...]
+    chunk_id: int
+    created_ns: int
+    event: Event | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def ready(self) -> bool:
+        """Whether the batch's bytes are complete (its event has fired)."""
+        return self.event is None or self.event.query()
+
+
+class BackgroundWriter:
+    """One thread that publishes batches in submission order."""
+
+    def __init__(
+        self,
+        ring: StagingRing,
+        publish: Callable[[SaveBatch], None],
+        discard: Callable[[SaveBatch], None],
+    ) -> None:
+        """
+        Args:
+            ring: where the batches' regions live; released after each batch.
+            publish: makes a batch's chunk visible (runs on the writer thread).
+            discard: undoes a batch's bookkeeping when it is dropped at close.
+        """
+        self._ring = ring
+        self._publish = publish
+        self._discard = discard
+        self._queue: deque[SaveBatch] = deque()
+        self._cond = threading.Condition()
+        self._submitted = 0
+        self._finished = 0
+        self._closing = False
+        self.failed_batches = 0
+        self.dropped_batches = 0
+        self._thread = threading.Thread(
+            target=self._run, name="npukv-writer", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, batch: SaveBatch) -> None:
+        """Queue ``batch``; returns at once."""
+        with self._cond:
+            if self._closing:
+                raise ValueError("submit on a closed writer")
+            self._queue.append(batch)
+            self._submitted += 1
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every batch submitted before this call is published (or
+        has failed). Returns False on timeout."""
+        with self._cond:
+            target = self._submitted
+            return self._cond.wait_for(lambda: self._finished >= target, timeout_s)
+
+    def close(self) -> None:
+        """Publish the batches that are complete, drop the rest, stop. Idempotent."""
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closing)
+                if not self._queue:
+                    return
+                batch = self._queue.popleft()
+                closing = self._closing
+            if closing and not batch.ready():
+                self._drop(batch)  # its device copy never finished: nothing to save
+            else:
+                self._write(batch)
+            with self._cond:
+                self._finished += 1
+                self._cond.notify_all()
+
+    def _write(self, batch: SaveBatch) -> None:
+        try:
+            if batch.event is not None:
+                batch.event.synchronize()
+            self._publish(batch)
+        except Exception:  # one lost batch; the writer and the server go on
+            self.failed_batches += 1
+            logger.warning(
+                "save batch of chunk %016x failed", batch.chunk_id, exc_info=True
+            )
+            self._discard(batch)
+        finally:
+            self._ring.release(batch.region)
+
+    def _drop(self, batch: SaveBatch) -> None:
+        self.dropped_batches += 1
+        try:
+            self._discard(batch)
+        finally:
+            self._ring.release(batch.region)
+
+
+def write_image(engine: IOEngine, fd: int, image: np.ndarray) -> int:
+    """Write ``image`` at offset 0 of ``fd`` in pieces of WRITE_PIECE_BYTES,
+    queue_depth at a time. Returns the bytes written.
+
+    Raises:
+        IOEngineError: a piece failed or was short (the caller removes the file).
+    """
+    view = image.data.cast("B")
+    requests = [
+        IORequest(WRITE, fd, offset, view[offset : offset + WRITE_PIECE_BYTES], offset)
+        for offset in range(0, len(view), WRITE_PIECE_BYTES)
+    ]
+    for done in engine.run(requests):
+        expected = min(WRITE_PIECE_BYTES, len(view) - done.tag)
+        if done.result != expected:
+            errno = -done.result if done.result < 0 else 28  # short write: ENOSPC
+            raise IOEngineError(
+                errno,
+                f"chunk write at offset {done.tag}: {done.result} of {expected} bytes",
+            )
+    return len(view)

@@ -1,0 +1,136 @@
+"""put_async's machinery: the staging ring, the background writer and its engine.
+
+Runs in: the process of one KVStore handle; ``stage()`` on the caller's thread
+(the producer), ``_publish``/``_discard`` on the writer thread.
+
+    stage()  - reserve a region, lay the batch out as its chunk file, submit
+    flush()  - wait until everything staged so far is published
+    close()  - drain complete batches, drop incomplete ones, unlink the ring
+
+The producer's cost is one reserve, one header encode and one copy of the
+blocks' bytes into the ring; checksums, the disk write, fsync, rename and the
+index commit all happen on the writer thread.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from npukv_store.io.engine import IOEngine, make_engine
+from npukv_store.io.ring import StagingRing
+from npukv_store.io.writer import BackgroundWriter, Event, SaveBatch
+from npukv_store.store.chunk_writer import publish_image
+from npukv_store.store.directory import HOST
+from npukv_store.store.format import encode_header, layer_checksums
+
+if TYPE_CHECKING:
+    from npukv_store.store.store import KVStore
+
+
+class AsyncSaver:
+    """The asynchronous save path of one store handle."""
+
+    def __init__(self, store: KVStore, ring_dir: str = "/dev/shm") -> None:
+        self._store = store
+        self.ring = StagingRing(store.config.ring_size, directory=ring_dir)
+        self._engine: IOEngine | None = None  # created and used by the writer thread
+        self.writer = BackgroundWriter(self.ring, self._publish, self._discard)
+
+    def stage(
+        self,
+        keys: Sequence[bytes],
+        rows: dict[str, np.ndarray],
+        fresh: list[int],
+        event: Event | None,
+    ) -> int:
+        """Stage the ``fresh`` rows; returns how many were queued (0: dropped)."""
+        if not fresh:
+            return 0
+        store = self._store
+        spec = store.spec
+        batch_keys = tuple(keys[i] for i in fresh)
+        created = time.time_ns()
+        header = encode_header(
+            spec,
+            store.namespace,
+            batch_keys,
+            creator=f"{os.getpid()}@{HOST}",
+            created_ns=created,
+        )
+        count = len(batch_keys)
+        file_bytes = len(header) + count * (spec.block_bytes + 8 * len(spec.layers))
+        region = self.ring.reserve(file_bytes)
+        if region is None:
+            return 0  # ring full: drop the batch, never wait
+        image = self.ring.view(region)[:file_bytes]
+        image[: len(header)] = np.frombuffer(header, dtype=np.uint8)
+        offset = len(header)
+        whole = len(fresh) == len(keys)
+        for name in spec.tensor_names():
+            src = rows[name]
+            dst = image[offset : offset + count * src.shape[1]].reshape(count, -1)
+            if whole:
+                np.copyto(dst, src)
+            else:
+                np.take(src, fresh, axis=0, out=dst)
+            offset += dst.size
+        self.writer.submit(
+            SaveBatch(
+                region, image, batch_keys, secrets.randbits(63) + 1, created, event
+            )
+        )
+        return count
+
+    def _publish(self, batch: SaveBatch) -> None:
+        """Writer thread: checksums into the image, write, publish, release keys."""
+        store = self._store
+        try:
+            self._fill_checksums(batch)
+            if self._engine is None:
+                self._engine = make_engine(
+                    store.config.io_engine, store.config.io_queue_depth
+                )
+            path, size = publish_image(
+                store.dir,
+                store.namespace,
+                batch.chunk_id,
+                batch.image,
+                self._engine,
+                sync=store.config.fsync == "chunk",
+            )
+            store._commit(batch.chunk_id, batch.keys, path, size, batch.created_ns, 0)
+        finally:
+            store._release_claims(batch.keys)
+
+    def _fill_checksums(self, batch: SaveBatch) -> None:
+        spec = self._store.spec
+        count = len(batch.keys)
+        sums = np.empty((count, len(spec.layers)), dtype="<u8")
+        offset = batch.image.size - sums.nbytes - count * spec.block_bytes
+        for col, layer in enumerate(spec.layers):
+            parts = []
+            for part in layer.parts:
+                parts.append(batch.image[offset : offset + count * part.row_bytes])
+                offset += count * part.row_bytes
+            sums[:, col] = layer_checksums(parts, count)
+        batch.image[offset:] = sums.view(np.uint8).reshape(-1)
+
+    def _discard(self, batch: SaveBatch) -> None:
+        self._store.counters.add(failed_batches=1)
+        self._store._release_claims(batch.keys)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        return self.writer.flush(timeout_s)
+
+    def close(self) -> None:
+        """Drain, stop the writer, release its engine and unlink the ring."""
+        self.writer.close()
+        if self._engine is not None:
+            self._engine.close()
+        self.ring.close()
