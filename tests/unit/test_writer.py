@@ -1,0 +1,137 @@
+"""put_async and the background writer: staged batches become chunks after
+flush(); a full ring drops instead of waiting; device events are waited on;
+close() drains complete batches and drops incomplete ones; a failed batch is
+counted, releases its keys and does not stop the writer."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from npukv_store import KVStore, StoreConfig
+from npukv_store.store import saver
+from tests.conftest import block_tensors, empty_like_blocks
+
+
+@pytest.fixture
+def config(tmp_path):
+    return StoreConfig(cache_dir=str(tmp_path / "c"), ring_size="256KiB")
+
+
+def assert_reads_back(store, keys):
+    out = empty_like_blocks(store.spec, len(keys))
+    assert store.read(keys, out) == [True] * len(keys)
+    for name, array in block_tensors(store.spec, keys).items():
+        np.testing.assert_array_equal(out[name], array)
+
+
+def test_put_async_then_flush_publishes(config, spec):
+    with KVStore(config, spec) as store:
+        keys = store.keys_for(range(16 * 8))
+        first = store.put_async(keys[:3], block_tensors(spec, keys[:3]))
+        second = store.put_async(keys, block_tensors(spec, keys))
+        assert (first.queued, second.queued, second.skipped) == (3, 5, 3)
+        assert store.flush(timeout_s=30)
+        assert store.lookup(keys) == 8
+        assert_reads_back(store, keys)
+        ring_path = store._async.ring.path
+        assert os.path.exists(ring_path)
+        assert store.check(verify_data=True) == []
+    assert not os.path.exists(ring_path)  # a clean close unlinks the ring
+
+
+class Gate:
+    """Holds the writer inside publish until opened, to fill the ring."""
+
+    def __init__(self, monkeypatch):
+        self.open = threading.Event()
+        self.entered = threading.Event()
+        real = saver.publish_image
+
+        def gated(*args, **kwargs):
+            self.entered.set()
+            self.open.wait(30)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(saver, "publish_image", gated)
+
+
+def test_full_ring_drops_and_never_waits(config, spec, monkeypatch):
+    gate = Gate(monkeypatch)
+    with KVStore(config, spec) as store:
+        chains = [store.keys_for([c] * 16 * 8) for c in range(20)]
+        results = [store.put_async(k, block_tensors(spec, k)) for k in chains]
+        # 256 KiB holds a few 8-block batches (28 KiB each); the writer is stuck
+        assert sum(r.dropped for r in results) > 0
+        assert store.flush(timeout_s=0.2) is False  # still gated
+        gate.open.set()
+        assert store.flush(timeout_s=30)
+        queued = [k for k, r in zip(chains, results, strict=True) if r.queued]
+        dropped = [k for k, r in zip(chains, results, strict=True) if r.dropped]
+        for keys in queued:
+            assert store.lookup(keys) == 8
+        assert all(store.lookup(keys) == 0 for keys in dropped)
+        counters = store.stats().counters
+        assert counters["dropped_blocks"] == 8 * len(dropped)
+        # dropped keys were released: a later save takes them
+        again = store.put_async(dropped[0], block_tensors(spec, dropped[0]))
+        assert again.queued == 8
+
+
+class FakeEvent:
+    def __init__(self, done):
+        self.done = done
+        self.synchronized = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.synchronized = True
+        self.done = True
+
+
+def test_events_are_waited_on_and_incomplete_batches_dropped_at_close(
+    config, spec, monkeypatch
+):
+    gate = Gate(monkeypatch)
+    store = KVStore(config, spec)
+    keys = store.keys_for(range(16 * 4))
+    complete = FakeEvent(done=False)
+    store.put_async(keys[:2], block_tensors(spec, keys[:2]), event=complete)
+    assert gate.entered.wait(10)  # first batch is being published...
+    assert complete.synchronized  # ...after its event was waited on
+    never = FakeEvent(done=False)
+    never.synchronize = lambda: pytest.fail("close() must not wait on it")
+    store.put_async(keys[2:], block_tensors(spec, keys[2:]), event=never)
+    gate.open.set()
+    store.close()  # drains the first, drops the second
+    with KVStore(config, spec) as again:
+        assert again.lookup(keys) == 2
+        assert again.check() == []
+
+
+def test_failed_batch_is_counted_and_writer_goes_on(config, spec, monkeypatch):
+    real = saver.publish_image
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(saver, "publish_image", flaky)
+    with KVStore(config, spec) as store:
+        keys = store.keys_for(range(16 * 2))
+        store.put_async(keys, block_tensors(spec, keys))
+        assert store.flush(timeout_s=30)
+        assert store.stats().counters["failed_batches"] == 1
+        assert store.lookup(keys) == 0
+        assert store.put_async(keys, block_tensors(spec, keys)).queued == 2
+        assert store.flush(timeout_s=30)
+        assert_reads_back(store, keys)
+        assert store.check() == []
