@@ -37,6 +37,7 @@ import logging
 import mmap
 import os
 import secrets
+import shutil
 import struct
 import threading
 from collections import deque
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from npukv_store.errors import BadMagic, VersionMismatch
+from npukv_store.errors import BadMagic, ConfigError, VersionMismatch
 from npukv_store.liveness import pid_alive
 
 logger = logging.getLogger(__name__)
@@ -86,10 +87,20 @@ class StagingRing:
         self.path = os.path.join(directory, name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, HEADER_BYTES + self.size)
+            # Reserve the pages now: on tmpfs a ring larger than the free space
+            # would otherwise SIGBUS on first touch, killing the process.
+            os.posix_fallocate(fd, 0, HEADER_BYTES + self.size)
             self._map = mmap.mmap(fd, HEADER_BYTES + self.size)
-        finally:
+        except OSError as exc:
             os.close(fd)
+            os.unlink(self.path)
+            free = shutil.disk_usage(directory).free
+            raise ConfigError(
+                f"ring_size: found {self.size} bytes, but {directory} cannot hold "
+                f"them ({exc.strerror}; {free} bytes free); expected a smaller "
+                "ring_size or a larger /dev/shm"
+            ) from exc
+        os.close(fd)
         _HEADER.pack_into(
             self._map, 0, RING_MAGIC, RING_FORMAT, HEADER_BYTES, self.size, os.getpid()
         )

@@ -199,3 +199,14 @@ class RingMachine(RuleBasedStateMachine):
 
 TestRingMachine = RingMachine.TestCase
 TestRingMachine.settings = settings(max_examples=60, stateful_step_count=40)
+
+
+def test_ring_larger_than_its_filesystem_is_a_clear_error(tmp_path):
+    """posix_fallocate reserves the pages up front: on tmpfs a ring that does
+    not fit would otherwise SIGBUS the process on first touch."""
+    from npukv_store.errors import ConfigError
+
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    with pytest.raises(ConfigError, match="ring_size: found .* expected a smaller"):
+        StagingRing(free + (1 << 30), directory=str(tmp_path))
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("npukv-ring-")]

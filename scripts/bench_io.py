@@ -1,0 +1,374 @@
+"""Benchmark the asynchronous data path against the disk, memcpy and numpy.
+
+Measured in one run, on the same random payload:
+
+  raw       the disk's limit, written and read by this script through the I/O
+            engines' raw mode (``engine.run`` of 4 MiB requests over one file):
+            queue depth 1 and 16, buffered and O_DIRECT, thread-pool and io_uring
+            engines. Writes end with one fsync; reads are cold (page cache
+            dropped) and warm. The best write and the best cold/warm read of
+            queue depth 16 are the baselines.
+  put_async sustained throughput from the staging ring to published chunks,
+            with 256 MiB batches and with 4 MiB batches: bytes over the time
+            from the first put_async to the end of flush(), fsync=chunk. The
+            producer retries a dropped batch after 1 ms (a benchmark producer
+            may wait; the forward pass never does).
+  producer  latency of put_async itself (reserve + copy into the ring + commit)
+            for 64 MiB batches, p50 and p99 in ms, while the writer is busy.
+  read      KVStore.read of the same chunks through the engine at queue depth
+            16, cold and warm, verified.
+  copy      native.copy_runs (GIL released, threads) against numpy.copyto of
+            the same 64 MiB, as 2048 runs of 32 KiB.
+
+JSON keys: ``ring_write_ratio`` (put_async 256 MiB batches / best raw write),
+``read_qd16_ratio`` (store read cold / raw cold read at QD16), the warm ratio,
+``producer_p99_ms_per_64MiB``, ``native_copy_ratio``, every raw figure, host and
+commit. Each case runs ``--rounds`` times and the best round is kept (timings on
+a shared VM are noisy; the best round is the least disturbed).
+
+Run: ``python scripts/bench_io.py [--quick] [--json PATH] [--dir PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from npukv_store import KVStore, LayerSpec, NamespaceSpec, PartSpec, StoreConfig, native
+from npukv_store.io.engine import READ, WRITE, IORequest, make_engine
+
+MIB = 1 << 20
+PIECE = 4 * MIB
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """Page-aligned, pre-faulted memory (O_DIRECT needs aligned buffers)."""
+    buf = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    buf[::4096] = 1
+    return buf
+
+
+def drop_caches(path: Path) -> str:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3")
+        return "drop_caches"
+    except OSError:
+        for item in [path] if path.is_file() else path.rglob("*"):
+            if item.is_file():
+                fd = os.open(item, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        return "fadvise"
+
+
+def engines() -> list[str]:
+    kinds = ["threads"]
+    with contextlib.suppress(Exception):
+        make_engine("uring", 1).close()
+        kinds.append("uring")
+    return kinds
+
+
+def raw_pass(
+    kind: str, depth: int, direct: bool, op: int, path: Path, payload: np.ndarray
+) -> float:
+    """Seconds to move ``payload`` through one file in PIECE requests."""
+    flags = os.O_RDONLY if op == READ else os.O_WRONLY | os.O_CREAT
+    if direct:
+        flags |= os.O_DIRECT
+    fd = os.open(path, flags, 0o644)
+    view = payload.data.cast("B")
+    requests = [
+        IORequest(op, fd, off, view[off : off + PIECE], off)
+        for off in range(0, len(view), PIECE)
+    ]
+    engine = make_engine(kind, depth)
+    try:
+        start = time.perf_counter()
+        for done in engine.run(requests):
+            if done.result != PIECE:
+                raise OSError(f"raw {kind} request at {done.tag}: {done.result}")
+        if op == WRITE:
+            os.fsync(fd)
+        return time.perf_counter() - start
+    finally:
+        engine.close()
+        os.close(fd)
+
+
+def bench_raw(root: Path, payload: np.ndarray, rounds: int) -> dict[str, float]:
+    """GB/s per raw case, keyed ``raw_<engine>_qd<d>_<buffered|direct>_<op>``."""
+    out: dict[str, float] = {}
+    path = root / "raw.bin"
+    for _ in range(rounds):
+        for kind in engines():
+            for depth in (1, 16):
+                for direct in (False, True):
+                    name = f"raw_{kind}_qd{depth}_{'direct' if direct else 'buffered'}"
+                    path.unlink(missing_ok=True)
+                    seconds = raw_pass(kind, depth, direct, WRITE, path, payload)
+                    _best(out, f"{name}_write", payload.nbytes / seconds)
+                    drop_caches(path)
+                    seconds = raw_pass(kind, depth, direct, READ, path, payload)
+                    _best(out, f"{name}_read_cold", payload.nbytes / seconds)
+                    if not direct:
+                        seconds = raw_pass(kind, depth, direct, READ, path, payload)
+                        _best(out, f"{name}_read_warm", payload.nbytes / seconds)
+    path.unlink(missing_ok=True)
+    return out
+
+
+def _best(table: dict[str, float], key: str, bytes_per_s: float) -> None:
+    table[key] = max(table.get(key, 0.0), bytes_per_s / 1e9)
+
+
+def spec_4mib() -> NamespaceSpec:
+    """32 layers x (k, v) F16 [16, 16, 128]: 64 KiB per part, 4 MiB per block."""
+    part = (PartSpec("k", "F16", (16, 16, 128)), PartSpec("v", "F16", (16, 16, 128)))
+    return NamespaceSpec(
+        model="bench-io",
+        block_size=16,
+        kv_dtype="float16",
+        layers=tuple(LayerSpec(f"layers.{i}", part) for i in range(32)),
+    )
+
+
+def tensors_of(payload: np.ndarray, spec: NamespaceSpec, blocks: int) -> dict:
+    """Views of ``payload`` as the namespace's tensors for ``blocks`` blocks."""
+    out, offset = {}, 0
+    for name in spec.tensor_names():
+        size = blocks * spec.layers[0].parts[0].row_bytes
+        out[name] = (
+            payload[offset : offset + size]
+            .view(np.float16)
+            .reshape(blocks, 16, 16, 128)
+        )
+        offset += size
+    return out
+
+
+def bench_put_async(
+    root: Path, payload: np.ndarray, batch_bytes: int, ring_bytes: int
+) -> tuple[float, list[float]]:
+    """(GB/s from first put to flushed, per-call producer latencies in s)."""
+    spec = spec_4mib()
+    blocks = batch_bytes // spec.block_bytes
+    config = StoreConfig(
+        cache_dir=str(root / f"async-{batch_bytes}"),
+        capacity=4 * payload.nbytes,
+        ring_size=ring_bytes,
+    )
+    latencies: list[float] = []
+    with KVStore(config, spec) as store:
+        store.put_async(*_batch(store, spec, payload, 10**6, blocks))  # warm up
+        store.flush()
+        start = time.perf_counter()
+        for index in range(payload.nbytes // batch_bytes):
+            keys, tensors = _batch(store, spec, payload, index, blocks)
+            while True:
+                begin = time.perf_counter()
+                result = store.put_async(keys, tensors)
+                latencies.append(time.perf_counter() - begin)
+                if not result.dropped:
+                    break
+                time.sleep(0.001)  # the benchmark's producer waits; vLLM's drops
+        store.flush()
+        seconds = time.perf_counter() - start
+    shutil.rmtree(config.cache_dir)
+    return payload.nbytes / seconds / 1e9, latencies
+
+
+def _batch(store, spec, payload, index, blocks):
+    keys = store.keys_for(np.full(16 * blocks, index) + np.arange(16 * blocks))
+    piece = payload[: blocks * spec.block_bytes]
+    return keys, tensors_of(piece, spec, blocks)
+
+
+def bench_read(root: Path, payload: np.ndarray, depth: int) -> tuple[float, float]:
+    """(cold, warm) GB/s of KVStore.read through the engine at ``depth``."""
+    spec = spec_4mib()
+    blocks = 16  # 64 MiB per chunk
+    config = StoreConfig(
+        cache_dir=str(root / "read"), capacity=4 * payload.nbytes, io_queue_depth=depth
+    )
+    out = tensors_of(aligned_buffer(blocks * spec.block_bytes), spec, blocks)
+    with KVStore(config, spec) as store:
+        batches = []
+        for index in range(payload.nbytes // (blocks * spec.block_bytes)):
+            keys, tensors = _batch(store, spec, payload, index, blocks)
+            store.put(keys, tensors)
+            batches.append(keys)
+        speeds = []
+        for cold in (True, False):
+            if cold:
+                drop_caches(Path(config.cache_dir))
+            start = time.perf_counter()
+            for keys in batches:
+                if not all(store.read(keys, out)):
+                    raise AssertionError("read missed")
+            speeds.append(payload.nbytes / (time.perf_counter() - start) / 1e9)
+    shutil.rmtree(config.cache_dir)
+    return speeds[0], speeds[1]
+
+
+def bench_copy(rounds: int) -> tuple[float, float]:
+    """(native, numpy) GB/s for 64 MiB as 2048 runs of 32 KiB (a gather)."""
+    src = aligned_buffer(64 * MIB)
+    dst = aligned_buffer(64 * MIB)
+    run = 32 * 1024
+    count = src.nbytes // run
+    order = np.random.default_rng(0).permutation(count)
+    runs = np.zeros((count, 5), dtype=np.int64)
+    runs[:, 1] = order * run
+    runs[:, 3] = np.arange(count) * run
+    runs[:, 4] = run
+    src_rows = src.reshape(count, run)
+    dst_rows = dst.reshape(count, run)
+
+    def with_numpy() -> None:
+        np.copyto(dst_rows, src_rows[order])
+
+    def with_native() -> None:
+        native.copy_runs([src], [dst], runs)
+
+    return _best_rate(with_native, src.nbytes, rounds), _best_rate(
+        with_numpy, src.nbytes, rounds
+    )
+
+
+def _best_rate(fn: Callable[[], None], nbytes: int, rounds: int) -> float:
+    best = 0.0
+    for _ in range(max(rounds, 3)):
+        start = time.perf_counter()
+        fn()
+        best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def table(
+    result: dict[str, object],
+    raw: dict[str, float],
+    best_write: float,
+    qd16_cold: float,
+    qd16_warm: float,
+) -> str:
+    """One row per case: GB/s (or ms) and the ratio to its same-run baseline."""
+    rows = [(f"{k} (raw)", f"{v:.3f} GB/s", "") for k, v in sorted(raw.items())]
+    rows += [
+        ("put_async, 256 MiB batches", f"{result['put_async_256MiB_gbps']} GB/s",
+         f"{result['ring_write_ratio']} of best raw write {best_write:.3f}"),
+        ("put_async, 4 MiB batches", f"{result['put_async_4MiB_gbps']} GB/s",
+         f"{result['ring_write_ratio_4MiB']} of best raw write"),
+        ("producer put_async, 64 MiB", f"p50 {result['producer_p50_ms_per_64MiB']} "
+         f"/ p99 {result['producer_p99_ms_per_64MiB']} ms", "target p99 <= 20"),
+        ("KVStore.read qd16 cold", f"{result['read_qd16_cold_gbps']} GB/s",
+         f"{result['read_qd16_ratio']} of raw qd16 cold {qd16_cold:.3f}"),
+        ("KVStore.read qd16 warm", f"{result['read_qd16_warm_gbps']} GB/s",
+         f"{result['read_qd16_warm_ratio']} of raw qd16 warm {qd16_warm:.3f}"),
+        ("native copy_runs 2048x32KiB", f"{result['native_copy_gbps']} GB/s",
+         f"{result['native_copy_ratio']} of numpy {result['numpy_copy_gbps']}"),
+    ]  # fmt: skip
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'case':<{width}}  {'speed':<22}  ratio", "-" * (width + 40)]
+    lines += [f"{a:<{width}}  {b:<22}  {c}" for a, b, c in rows]
+    lines.append(f"targets_met: {result['targets_met']}")
+    return "\n".join(lines)
+
+
+def host_info() -> dict[str, object]:
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "commit": commit,
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "engines": engines(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="<= 60 s")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--dir", type=Path, default=Path("/var/tmp"))
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args(argv)
+    total = (256 if args.quick else 1024) * MIB
+    rounds = args.rounds or (1 if args.quick else 2)
+    root = Path(tempfile.mkdtemp(prefix="bench_io-", dir=args.dir))
+    payload = aligned_buffer(total)
+    payload[:] = np.random.default_rng(1).integers(0, 255, total, dtype=np.uint8)
+    try:
+        raw = bench_raw(root, payload, rounds)
+        async_rates = {}
+        latencies: list[float] = []
+        for batch in (256 * MIB, 4 * MIB):
+            rate, lat = 0.0, []
+            for _ in range(rounds):
+                got, lat = bench_put_async(root, payload, min(batch, total), 1 << 30)
+                rate = max(rate, got)
+            async_rates[batch] = rate
+        for _ in range(rounds):
+            _, lat = bench_put_async(root, payload, 64 * MIB, 1 << 30)
+            latencies += lat
+        read_cold, read_warm = 0.0, 0.0
+        for _ in range(rounds):
+            cold, warm = bench_read(root, payload, 16)
+            read_cold, read_warm = max(read_cold, cold), max(read_warm, warm)
+        copy_native, copy_numpy = bench_copy(rounds)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    best_write = max(v for k, v in raw.items() if k.endswith("_write"))
+    qd16_cold = max(v for k, v in raw.items() if "qd16" in k and k.endswith("cold"))
+    qd16_warm = max(v for k, v in raw.items() if "qd16" in k and k.endswith("warm"))
+    p50 = statistics.median(latencies) * 1e3
+    p99 = float(np.percentile(latencies, 99)) * 1e3
+    result = {
+        **host_info(),
+        "total_bytes": total,
+        "rounds": rounds,
+        **{f"{k}_gbps": round(v, 3) for k, v in sorted(raw.items())},
+        "put_async_256MiB_gbps": round(async_rates[256 * MIB], 3),
+        "put_async_4MiB_gbps": round(async_rates[4 * MIB], 3),
+        "ring_write_ratio": round(async_rates[256 * MIB] / best_write, 3),
+        "ring_write_ratio_4MiB": round(async_rates[4 * MIB] / best_write, 3),
+        "producer_p50_ms_per_64MiB": round(p50, 2),
+        "producer_p99_ms_per_64MiB": round(p99, 2),
+        "read_qd16_cold_gbps": round(read_cold, 3),
+        "read_qd16_warm_gbps": round(read_warm, 3),
+        "read_qd16_ratio": round(read_cold / qd16_cold, 3),
+        "read_qd16_warm_ratio": round(read_warm / qd16_warm, 3),
+        "native_copy_gbps": round(copy_native, 3),
+        "numpy_copy_gbps": round(copy_numpy, 3),
+        "native_copy_ratio": round(copy_native / copy_numpy, 3),
+    }
+    result["targets_met"] = {
+        "ring_write_ratio>=0.85": result["ring_write_ratio"] >= 0.85,
+        "read_qd16_ratio>=0.85": result["read_qd16_ratio"] >= 0.85,
+        "producer_p99_ms_per_64MiB<=20": p99 <= 20,
+        "native_copy_ratio>=1.0": result["native_copy_ratio"] >= 1.0,
+    }
+    print(table(result, raw, best_write, qd16_cold, qd16_warm))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
