@@ -19,6 +19,7 @@ setup(
             depends=["native/nkv.h"],
             define_macros=[("NKV_HAVE_XXHASH", "1")] if HAVE_XXHASH else [],
             extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror", "-std=c11"],
+            extra_link_args=["-pthread"],  # copy.c's threads
         )
     ]
 )

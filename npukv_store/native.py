@@ -7,6 +7,8 @@ stale build, with one warning.
     sync_file_range_write() - start writeback of a file range, don't wait
     xxh3_rows()             - xxh3_64 of each row over several parts (block
                               checksums), without the GIL when native
+    copy_runs()             - many byte runs between buffers in one call (ring
+                              gathers and scatters), without the GIL when native
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -29,6 +32,7 @@ BufferLike = Any
 
 ABI_VERSION = 3
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
+_COPY_MAX_THREADS = 64  # native/copy.c NKV_COPY_MAX_THREADS
 
 
 def _load() -> ModuleType | None:
@@ -78,6 +82,116 @@ class _Twin:
             err = ctypes.get_errno()
             raise OSError(err, f"sync_file_range: {os.strerror(err)}")
 
+    def copy_runs(
+        self,
+        srcs: Sequence[BufferLike],
+        dsts: Sequence[BufferLike],
+        runs: BufferLike,
+        threads: int,
+    ) -> int:
+        """native/copy.c's checks in its order, then one numpy assignment per
+        run (numpy copies through a temporary where ranges overlap: memmove)."""
+        if not 0 <= threads <= _COPY_MAX_THREADS:
+            raise ValueError(
+                f"copy_runs: threads is {threads}, expected 0 (default) to "
+                f"{_COPY_MAX_THREADS}"
+            )
+        rows = _run_rows(runs)
+        src_items, dst_items = _sequence(srcs, "srcs"), _sequence(dsts, "dsts")
+        sides = (_byte_arrays(src_items, "src"), _byte_arrays(dst_items, "dst"))
+        total = 0
+        for index, row in enumerate(rows):
+            _check_run(index, row, sides)
+            total += row[4]
+            if total > sys.maxsize:
+                raise ValueError(
+                    f"copy_runs: the runs' nbytes add up to more than {sys.maxsize}, "
+                    "expected at most that"
+                )
+        for src_idx, src_off, dst_idx, dst_off, nbytes in rows:
+            if nbytes > 0:
+                src = sides[0][src_idx][src_off : src_off + nbytes]
+                sides[1][dst_idx][dst_off : dst_off + nbytes] = src
+        return total
+
+
+def _run_rows(runs: BufferLike) -> list[list[int]]:
+    """``runs`` as rows of 5 ints, checked as native/copy.c checks it."""
+    view = memoryview(runs)
+    fmt = view.format
+    native_order = "<" if sys.byteorder == "little" else ">"
+    code = fmt[1:] if fmt[:1] in ("@", "=", native_order) else fmt
+    if view.itemsize != 8 or code not in ("q", "l"):
+        raise ValueError(
+            f"copy_runs: runs has format '{fmt}' and itemsize {view.itemsize}, "
+            "expected native int64 ('q' or 'l', itemsize 8)"
+        )
+    if view.ndim != 2:
+        raise ValueError(
+            f"copy_runs: runs has {view.ndim} dimensions, expected shape [k, 5]"
+        )
+    assert view.shape is not None  # ndim 2
+    if view.shape[1] != 5:
+        raise ValueError(
+            f"copy_runs: runs has {view.shape[1]} columns, expected shape [k, 5]"
+        )
+    if not view.c_contiguous:
+        raise ValueError(
+            "copy_runs: runs is not C-contiguous, expected a C-contiguous [k, 5] "
+            "int64 array"
+        )
+    # memoryview refuses to cast a view with a 0 in its shape
+    flat: list[int] = view.cast("B").cast("q").tolist() if view.nbytes else []
+    return [flat[i : i + 5] for i in range(0, len(flat), 5)]
+
+
+def _sequence(items: Sequence[BufferLike], name: str) -> list[BufferLike]:
+    try:
+        return list(items)
+    except TypeError:
+        raise TypeError(f"copy_runs: {name} must be a sequence") from None
+
+
+def _byte_arrays(items: list[BufferLike], what: str) -> list[np.ndarray]:
+    """uint8 views, taken as the C side takes them: np.frombuffer asks for
+    PyBUF_WRITABLE, then PyBUF_SIMPLE (C-contiguous) as native/copy.c does."""
+    expected = "writable C-contiguous" if what == "dst" else "C-contiguous"
+    arrays = []
+    for index, item in enumerate(items):
+        try:
+            array = np.frombuffer(item, dtype=np.uint8)
+        except (BufferError, ValueError) as err:
+            raise ValueError(
+                f"copy_runs: {what} {index} is not a {expected} buffer"
+            ) from err
+        if what == "dst" and not array.flags.writeable:
+            raise ValueError(f"copy_runs: {what} {index} is not a {expected} buffer")
+        arrays.append(array)
+    return arrays
+
+
+def _check_run(
+    index: int, row: list[int], sides: tuple[list[np.ndarray], list[np.ndarray]]
+) -> None:
+    nbytes = row[4]
+    if nbytes < 0:
+        raise ValueError(f"copy_runs: run {index} has nbytes {nbytes}, expected >= 0")
+    for side, what in enumerate(("src", "dst")):
+        buf_idx = row[2 * side]
+        if not 0 <= buf_idx < len(sides[side]):
+            raise ValueError(
+                f"copy_runs: run {index} has {what}_index {buf_idx}, expected 0 <= "
+                f"{what}_index < {len(sides[side])}"
+            )
+    for side, what in enumerate(("src", "dst")):
+        buf_idx, offset = row[2 * side], row[2 * side + 1]
+        size = len(sides[side][buf_idx])
+        if offset < 0 or offset > size or nbytes > size - offset:
+            raise ValueError(
+                f"copy_runs: run {index} has {what} {buf_idx} offset {offset} + "
+                f"nbytes {nbytes}, expected within that {what}'s {size} bytes"
+            )
+
 
 _TWIN = _Twin()
 
@@ -121,3 +235,48 @@ def xxh3_rows(parts: Sequence[BufferLike], num_rows: int) -> np.ndarray:
             digest.update(view[row * size : (row + 1) * size])
         sums[row] = digest.intdigest()
     return sums
+
+
+def copy_runs(
+    srcs: Sequence[BufferLike],
+    dsts: Sequence[BufferLike],
+    runs: BufferLike,
+    threads: int | None = None,
+) -> int:
+    """Copy many byte runs between buffers in one call; all are checked first.
+
+    Row i of ``runs`` is ``(src_index, src_offset, dst_index, dst_offset,
+    nbytes)``: ``nbytes`` bytes from ``srcs[src_index]`` at ``src_offset`` go to
+    ``dsts[dst_index]`` at ``dst_offset``. Serves gathering many tensors' rows
+    into one staging-ring region, scattering it back, and gathering the blocks
+    of a paged buffer. Native: one call, the GIL released from ``_GIL_MINSIZE``
+    bytes and the bytes shared among threads from ``_COPY_THREAD_MINSIZE``.
+    Twin: one numpy assignment per run.
+
+    Each run behaves as ``memmove`` (its source and destination may overlap).
+    Single-threaded calls apply runs in order. Not guaranteed: any order among
+    runs in a threaded call, so there no run's destination may overlap another
+    run's source or destination; nor a consistent copy of a buffer that another
+    thread writes meanwhile.
+
+    Args:
+        srcs: C-contiguous buffers (any dtype; offsets are in bytes).
+        dsts: writable C-contiguous buffers.
+        runs: native int64 ``[k, 5]``, C-contiguous (e.g. a numpy array).
+        threads: threads for calls of ``_COPY_THREAD_MINSIZE`` bytes or more;
+            None or 0: min(4, online CPUs). The twin ignores it.
+
+    Returns:
+        The bytes copied (the sum of ``nbytes``).
+
+    Raises:
+        ValueError: a run outside its buffers or with ``nbytes < 0`` (then
+            nothing is copied); ``runs`` not int64 ``[k, 5]``; a src (dst)
+            that is not a (writable) C-contiguous buffer; ``threads`` not in
+            0..64. Each message names the run or argument, found vs expected.
+        TypeError: ``srcs``/``dsts`` not sequences, or an item not a buffer.
+    """
+    num_threads = 0 if threads is None else threads
+    if IMPL is not None and hasattr(IMPL, "copy_runs"):
+        return int(IMPL.copy_runs(srcs, dsts, runs, threads=num_threads))
+    return _TWIN.copy_runs(srcs, dsts, runs, num_threads)
