@@ -7,9 +7,10 @@ Runs in: the process of one KVStore handle; ``stage()`` on the caller's thread
     flush()  - wait until everything staged so far is published
     close()  - drain complete batches, drop incomplete ones, unlink the ring
 
-The producer's cost is one reserve, one header encode and one copy of the
-blocks' bytes into the ring; checksums, the disk write, fsync, rename and the
-index commit all happen on the writer thread.
+The producer's cost is one reserve, one header encode and one native batched
+copy of the blocks' bytes into the ring (GIL released, threads above 4 MiB);
+checksums, the disk write, fsync, rename and the index commit all happen on the
+writer thread.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from npukv_store import native
 from npukv_store.io.engine import IOEngine, make_engine
 from npukv_store.io.ring import StagingRing
 from npukv_store.io.writer import BackgroundWriter, Event, SaveBatch
+from npukv_store.spec import NamespaceSpec
 from npukv_store.store.chunk_writer import publish_image
 from npukv_store.store.directory import HOST
 from npukv_store.store.format import encode_header, layer_checksums
@@ -70,16 +73,11 @@ class AsyncSaver:
             return 0  # ring full: drop the batch, never wait
         image = self.ring.view(region)[:file_bytes]
         image[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-        offset = len(header)
-        whole = len(fresh) == len(keys)
-        for name in spec.tensor_names():
-            src = rows[name]
-            dst = image[offset : offset + count * src.shape[1]].reshape(count, -1)
-            if whole:
-                np.copyto(dst, src)
-            else:
-                np.take(src, fresh, axis=0, out=dst)
-            offset += dst.size
+        native.copy_runs(
+            [rows[name] for name in spec.tensor_names()],
+            [image],
+            _gather_runs(spec, len(header), fresh, len(fresh) == len(keys)),
+        )
         self.writer.submit(
             SaveBatch(
                 region, image, batch_keys, secrets.randbits(63) + 1, created, event
@@ -134,3 +132,25 @@ class AsyncSaver:
         if self._engine is not None:
             self._engine.close()
         self.ring.close()
+
+
+def _gather_runs(
+    spec: NamespaceSpec, data_start: int, fresh: list[int], whole: bool
+) -> np.ndarray:
+    """copy_runs rows ``(src tensor, src offset, 0, dst offset, nbytes)`` that lay
+    the ``fresh`` rows of every tensor out layer-major after the header: one run
+    per tensor when every row is taken, else one per row."""
+    sizes = [part.row_bytes for layer in spec.layers for part in layer.parts]
+    count = len(fresh)
+    runs = []
+    offset = data_start
+    for index, row_bytes in enumerate(sizes):
+        if whole:
+            runs.append((index, 0, 0, offset, count * row_bytes))
+        else:
+            runs += [
+                (index, row * row_bytes, 0, offset + slot * row_bytes, row_bytes)
+                for slot, row in enumerate(fresh)
+            ]
+        offset += count * row_bytes
+    return np.array(runs, dtype=np.int64).reshape(-1, 5)
