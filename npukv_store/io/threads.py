@@ -8,12 +8,16 @@ io_uring backend is tested against. The syscalls release the GIL, so
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import queue
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from npukv_store.io.engine import READ, Completion, IOEngine, IORequest
+
+logger = logging.getLogger(__name__)
 
 
 class ThreadEngine(IOEngine):
@@ -49,7 +53,10 @@ class ThreadEngine(IOEngine):
                 moved = os.pwritev(request.fd, [request.buffer], request.offset)
             self._done.put(Completion(request.tag, moved))
         except OSError as exc:
-            self._done.put(Completion(request.tag, -(exc.errno or 5)))
+            self._done.put(Completion(request.tag, -(exc.errno or errno.EIO)))
+        except Exception:  # a bad buffer (read-only, not a buffer): still complete
+            logger.warning("I/O request %r refused", request.tag, exc_info=True)
+            self._done.put(Completion(request.tag, -errno.EINVAL))
 
     def reap(self, min_complete: int = 1) -> list[Completion]:
         want = min(min_complete, self._in_flight)

@@ -1,0 +1,69 @@
+"""The io_uring I/O engine: one ring per engine, driven by ``_native.Uring``.
+
+Runs in: the process that made it (a forked child gets RuntimeError and must
+make its own); one thread at a time (a second thread inside a method gets
+RuntimeError instead of racing on the rings).
+
+    UringEngine - submit() fills one SQE per request and enters the kernel
+                  once; reap() waits for completions. The GIL is released in
+                  every syscall.
+
+Differences from the thread engine, which is its twin: ``submit`` refuses
+(ValueError) more than ``queue_depth`` requests in flight, where the thread
+engine queues them; after ``close`` with requests in flight their completions
+are gone (close waited for them), and ``reap`` raises ValueError.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from npukv_store import native
+from npukv_store.io.engine import Completion, IOEngine, IORequest
+
+if TYPE_CHECKING:
+    from npukv_store._native import Uring
+
+
+class UringEngine(IOEngine):
+    """An io_uring ring with ``queue_depth`` entries.
+
+    Raises:
+        ImportError: the native module is not in use (``NPUKV_NATIVE=0``, not
+            built, stale) or was built without ``Uring``; make_engine falls back.
+        OSError: the kernel refuses io_uring (seccomp, ``io_uring_disabled``)
+            or lacks IORING_OP_READ/WRITE (Linux < 5.6).
+        ValueError: ``queue_depth`` outside 1..4096.
+    """
+
+    kind = "uring"
+
+    def __init__(self, queue_depth: int = 16) -> None:
+        impl = native.IMPL
+        if impl is None or not hasattr(impl, "Uring"):
+            found = "NPUKV_NATIVE=0 or no usable build" if impl is None else "no Uring"
+            raise ImportError(
+                f"io_uring engine: found {found}, expected npukv_store._native.Uring"
+            )
+        self.queue_depth = queue_depth
+        self._ring: Uring = impl.Uring(queue_depth)
+
+    @property
+    def in_flight(self) -> int:
+        return self._ring.in_flight
+
+    def submit(self, requests: Sequence[IORequest]) -> None:
+        self._ring.submit(
+            [(req.op, req.fd, req.offset, req.buffer, req.tag) for req in requests]
+        )
+
+    def reap(self, min_complete: int = 1) -> list[Completion]:
+        return [Completion(tag, res) for tag, res in self._ring.reap(min_complete)]
+
+    def close(self) -> None:
+        self._ring.close()
+
+    def fileno(self) -> int:
+        """The ring's fd (for polling it); ValueError once closed."""
+        return self._ring.fileno()
