@@ -125,7 +125,11 @@ class StoreConfig:
         default=16, metadata=_doc("I/O requests kept in flight per reader thread.")
     )
     direct_io: bool = field(
-        default=False, metadata=_doc("Use O_DIRECT for chunk reads and writes.")
+        default=True,
+        metadata=_doc(
+            "O_DIRECT for chunk writes from the staging ring (docs/design.md §12); "
+            "reads stay buffered so the page cache serves warm hits."
+        ),
     )
     fsync: str = field(
         default="chunk",

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
+from npukv_store import native
 from npukv_store.errors import IOEngineError
 from npukv_store.io.engine import WRITE, IOEngine, IORequest
 from npukv_store.io.ring import Region, StagingRing
@@ -161,9 +162,26 @@ class BackgroundWriter:
             self._ring.release(batch.region)
 
 
-def write_image(engine: IOEngine, fd: int, image: np.ndarray) -> int:
+def write_image(
+    engine: IOEngine,
+    fd: int,
+    image: np.ndarray,
+    *,
+    writeback: bool = False,
+    tail_offset: int | None = None,
+    fill_tail: Callable[[], None] | None = None,
+) -> int:
     """Write ``image`` at offset 0 of ``fd`` in pieces of WRITE_PIECE_BYTES,
     queue_depth at a time. Returns the bytes written.
+
+    Args:
+        writeback: start each piece's writeback as soon as it completes
+            (buffered files that will be fsynced: the disk works while later
+            pieces are written, instead of all at the fsync).
+        tail_offset, fill_tail: bytes from ``tail_offset`` on are not final
+            yet: the first pieces before it are submitted, then ``fill_tail()``
+            runs (the checksum table, GIL-free) while they are at the disk, and
+            the rest follows.
 
     Raises:
         IOEngineError: a piece failed or was short (the caller removes the file).
@@ -173,7 +191,14 @@ def write_image(engine: IOEngine, fd: int, image: np.ndarray) -> int:
         IORequest(WRITE, fd, offset, view[offset : offset + WRITE_PIECE_BYTES], offset)
         for offset in range(0, len(view), WRITE_PIECE_BYTES)
     ]
-    for done in engine.run(requests):
+    if fill_tail is not None:
+        tail = len(view) if tail_offset is None else tail_offset
+        early = [r for r in requests if r.offset + len(r.buffer) <= tail]
+        head = early[: engine.queue_depth]
+        engine.submit(head)
+        fill_tail()
+        requests = requests[len(head) :]
+    for done in engine.stream(requests):
         expected = min(WRITE_PIECE_BYTES, len(view) - done.tag)
         if done.result != expected:
             errno = -done.result if done.result < 0 else 28  # short write: ENOSPC
@@ -181,4 +206,6 @@ def write_image(engine: IOEngine, fd: int, image: np.ndarray) -> int:
                 errno,
                 f"chunk write at offset {done.tag}: {done.result} of {expected} bytes",
             )
+        if writeback:
+            native.sync_file_range_write(fd, done.tag, expected)
     return len(view)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from npukv_store import native
+from npukv_store.io.direct import open_direct
 from npukv_store.io.engine import IOEngine
 from npukv_store.io.writer import write_image
 from npukv_store.spec import NamespaceSpec
@@ -81,19 +82,42 @@ def publish_image(
     engine: IOEngine,
     *,
     sync: bool,
+    padded: np.ndarray | None = None,
+    tail_offset: int | None = None,
+    fill_tail: Callable[[], None] | None = None,
 ) -> tuple[str, int]:
     """Write a complete chunk image (header, data, checksums) from memory through
     ``engine`` and move it into place (no index rows yet): the background
     writer's path, with a few large requests straight from the staging ring.
+
+    Args:
+        padded: the image followed by zero or more bytes up to a multiple of
+            4096, in page-aligned memory: given, the file is written with
+            O_DIRECT (``direct_io``) and truncated to the image's size.
+        tail_offset, fill_tail: see :func:`~npukv_store.io.writer.write_image`.
 
     Returns:
         The chunk's final path and its size in bytes.
     """
     path = cdir.chunk_path(namespace, chunk_id)
     tmp = cdir.tmp_path(chunk_id)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    fd, direct = (
+        open_direct(tmp, flags)
+        if padded is not None
+        else (os.open(tmp, flags, 0o644), False)
+    )
     try:
-        size = write_image(engine, fd, image)
+        if direct and padded is not None:
+            write_image(
+                engine, fd, padded, tail_offset=tail_offset, fill_tail=fill_tail
+            )
+            os.ftruncate(fd, image.nbytes)  # drop the alignment padding
+        else:
+            write_image(
+                engine, fd, image, writeback=sync, tail_offset=tail_offset,
+                fill_tail=fill_tail,
+            )  # fmt: skip
         if sync:
             os.fsync(fd)
         os.rename(tmp, path)
@@ -104,7 +128,7 @@ def publish_image(
         os.close(fd)
     if sync:
         _fsync_dir(os.path.dirname(path))
-    return path, size
+    return path, image.nbytes
 
 
 def _write_layers(

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from npukv_store import native
+from npukv_store.io.direct import align_up
 from npukv_store.io.engine import IOEngine, make_engine
 from npukv_store.io.ring import StagingRing
 from npukv_store.io.writer import BackgroundWriter, Event, SaveBatch
@@ -89,11 +90,13 @@ class AsyncSaver:
         """Writer thread: checksums into the image, write, publish, release keys."""
         store = self._store
         try:
-            self._fill_checksums(batch)
             if self._engine is None:
                 self._engine = make_engine(
                     store.config.io_engine, store.config.io_queue_depth
                 )
+            padded = None
+            if store.config.direct_io:  # regions are page-aligned and padded
+                padded = self.ring.view(batch.region)[: align_up(batch.image.size)]
             path, size = publish_image(
                 store.dir,
                 store.namespace,
@@ -101,16 +104,24 @@ class AsyncSaver:
                 batch.image,
                 self._engine,
                 sync=store.config.fsync == "chunk",
+                padded=padded,
+                tail_offset=self._table_offset(batch),
+                fill_tail=lambda: self._fill_checksums(batch),
             )
             store._commit(batch.chunk_id, batch.keys, path, size, batch.created_ns, 0)
         finally:
             store._release_claims(batch.keys)
 
+    def _table_offset(self, batch: SaveBatch) -> int:
+        """Offset of the checksum table: everything before it is final."""
+        return batch.image.size - 8 * len(batch.keys) * len(self._store.spec.layers)
+
     def _fill_checksums(self, batch: SaveBatch) -> None:
+        """Runs while the data section's first writes are at the disk."""
         spec = self._store.spec
         count = len(batch.keys)
         sums = np.empty((count, len(spec.layers)), dtype="<u8")
-        offset = batch.image.size - sums.nbytes - count * spec.block_bytes
+        offset = self._table_offset(batch) - count * spec.block_bytes
         for col, layer in enumerate(spec.layers):
             parts = []
             for part in layer.parts:
