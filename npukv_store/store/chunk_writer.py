@@ -56,22 +56,14 @@ def write_chunk(
     header = encode_header(
         spec, namespace, keys, creator=f"{os.getpid()}@{HOST}", created_ns=created_ns
     )
-    path = cdir.chunk_path(namespace, chunk_id)
-    tmp = cdir.tmp_path(chunk_id)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        size = _write_layers(fd, spec, header, rows, len(keys), sync)
-        if sync:
-            os.fsync(fd)
-        os.rename(tmp, path)
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
-    finally:
-        os.close(fd)
-    if sync:
-        _fsync_dir(os.path.dirname(path))
-    return path, size
+    return _publish_file(
+        cdir,
+        namespace,
+        chunk_id,
+        lambda fd, _direct: _write_layers(fd, spec, header, rows, len(keys), sync),
+        sync=sync,
+        direct=False,
+    )
 
 
 def publish_image(
@@ -99,15 +91,8 @@ def publish_image(
     Returns:
         The chunk's final path and its size in bytes.
     """
-    path = cdir.chunk_path(namespace, chunk_id)
-    tmp = cdir.tmp_path(chunk_id)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    fd, direct = (
-        open_direct(tmp, flags)
-        if padded is not None
-        else (os.open(tmp, flags, 0o644), False)
-    )
-    try:
+
+    def write(fd: int, direct: bool) -> int:
         if direct and padded is not None:
             write_image(
                 engine, fd, padded, tail_offset=tail_offset, fill_tail=fill_tail
@@ -118,6 +103,32 @@ def publish_image(
                 engine, fd, image, writeback=sync, tail_offset=tail_offset,
                 fill_tail=fill_tail,
             )  # fmt: skip
+        return int(image.nbytes)
+
+    return _publish_file(
+        cdir, namespace, chunk_id, write, sync=sync, direct=padded is not None
+    )
+
+
+def _publish_file(
+    cdir: CacheDir,
+    namespace: str,
+    chunk_id: int,
+    write: Callable[[int, bool], int],
+    *,
+    sync: bool,
+    direct: bool,
+) -> tuple[str, int]:
+    """The publish order for one file: ``write(fd, is_direct)`` into a new tmp/
+    file, fsync (``sync``), rename into ``chunks/``, fsync the directory."""
+    path = cdir.chunk_path(namespace, chunk_id)
+    tmp = cdir.tmp_path(chunk_id)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    fd, is_direct = (
+        open_direct(tmp, flags) if direct else (os.open(tmp, flags, 0o644), False)
+    )
+    try:
+        size = write(fd, is_direct)
         if sync:
             os.fsync(fd)
         os.rename(tmp, path)
@@ -128,7 +139,7 @@ def publish_image(
         os.close(fd)
     if sync:
         _fsync_dir(os.path.dirname(path))
-    return path, image.nbytes
+    return path, size
 
 
 def _write_layers(
