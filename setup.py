@@ -18,7 +18,7 @@ setup(
             sources=[f"native/{name}" for name in SOURCES],
             depends=["native/nkv.h"],
             define_macros=[("NKV_HAVE_XXHASH", "1")] if HAVE_XXHASH else [],
-            extra_compile_args=["-O2", "-Wall", "-Wextra", "-Werror", "-std=c11"],
+            extra_compile_args=["-O3", "-Wall", "-Wextra", "-Werror", "-std=c11"],
             extra_link_args=["-pthread"],  # copy.c's threads
         )
     ]

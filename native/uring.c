@@ -1,6 +1,7 @@
 /* uring.c: an io_uring ring for batched file reads and writes.
  *
- *   Uring(entries)      - a ring that allows `entries` (1..4096) requests in flight
+ *   Uring(entries, punt_reads=False) - a ring that allows `entries` (1..4096)
+ *                         requests in flight; punt_reads sends reads to io-wq
  *   submit(requests)    - each request is (op, fd, offset, buffer, tag); op 0 reads
  *                         into the buffer, op 1 writes it; all queued, one syscall
  *   reap(min_complete=1) -> [(tag, result)]: waits for at least min_complete
@@ -72,6 +73,7 @@ typedef struct {
     pid_t pid;      /* creator; a forked child must not touch the rings */
     int busy;       /* 1 while a method runs; taken by atomic exchange */
     unsigned entries;
+    int punt_reads; /* IOSQE_ASYNC on reads: cached-page copies on io-wq workers */
     unsigned in_flight;
     unsigned num_local; /* slots with local results, listed in local_slots */
     unsigned num_free;  /* free slot indices, a stack in free_slots */
@@ -337,14 +339,16 @@ nkv_slots_alloc(nkv_uring *self)
 static PyObject *
 nkv_uring_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"entries", NULL};
+    static char *kwlist[] = {"entries", "punt_reads", NULL};
     struct io_uring_params params;
     int entries;
+    int punt_reads = 0;
     int fd;
     int err = 0;
     nkv_uring *self;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i:Uring", kwlist, &entries)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|p:Uring", kwlist, &entries,
+                                     &punt_reads)) {
         return NULL;
     }
     if (entries < 1 || entries > NKV_URING_MAX_ENTRIES) {
@@ -358,6 +362,7 @@ nkv_uring_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->fd = -1;
     self->pid = getpid();
     self->entries = (unsigned)entries;
+    self->punt_reads = punt_reads;
     if (nkv_slots_alloc(self) < 0) {
         Py_DECREF(self);
         return PyErr_NoMemory();
@@ -456,6 +461,11 @@ nkv_prepare(nkv_uring *self, PyObject *request, Py_ssize_t index)
     sqe = &self->sqes[sq_index];
     memset(sqe, 0, sizeof(*sqe));
     sqe->opcode = op == NKV_URING_READ ? IORING_OP_READ : IORING_OP_WRITE;
+    if (op == NKV_URING_READ && self->punt_reads) {
+        /* Without it a read of cached pages is copied inline, inside
+         * io_uring_enter on the caller's thread: one core for the whole batch. */
+        sqe->flags = IOSQE_ASYNC;
+    }
     sqe->fd = fd;
     sqe->off = (unsigned long long)offset;
     sqe->addr = (unsigned long long)(uintptr_t)slot->view.buf;
@@ -703,7 +713,7 @@ static PyGetSetDef nkv_uring_getset[] = {
 };
 
 static PyType_Slot nkv_uring_slots[] = {
-    {Py_tp_doc, "Uring(entries)\nAn io_uring ring for file reads and writes "
+    {Py_tp_doc, "Uring(entries, punt_reads=False)\nAn io_uring ring for file reads and writes "
                 "(native/uring.c)."},
     {Py_tp_new, (void *)nkv_uring_new},
     {Py_tp_dealloc, (void *)nkv_uring_dealloc},

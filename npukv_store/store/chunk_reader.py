@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 _HEADER_CACHE_ENTRIES = 1024  # chunk files are immutable and ids never reused
 Segment = tuple[int, int, int, np.ndarray]  # (file offset, first key, rows, dest)
 Item = tuple[int, int]  # (key index, chunk row)
+#: Layers are read in file order: SEQUENTIAL doubles the readahead window of each
+#: freshly opened chunk (measured +10-15% cold, docs/design.md §13).
+_ADVICE: int | None = os.POSIX_FADV_SEQUENTIAL
 
 
 class ChunkReader:
@@ -92,6 +95,8 @@ class ChunkReader:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
             return []  # evicted since the lookup, or unreadable: a miss
+        if _ADVICE is not None:
+            os.posix_fadvise(fd, 0, 0, _ADVICE)
         try:
             header = self._header(chunk_id, fd, path)
             if header is None:

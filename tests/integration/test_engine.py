@@ -260,7 +260,7 @@ def test_make_engine_kinds():
 
 
 def _refusing_impl() -> types.SimpleNamespace:
-    def refuse(entries: int) -> None:
+    def refuse(entries: int, punt_reads: bool = False) -> None:
         raise OSError(errno.EPERM, "io_uring_setup: Operation not permitted")
 
     return types.SimpleNamespace(Uring=refuse)
@@ -558,4 +558,31 @@ def test_thread_engine_completes_a_request_with_a_bad_buffer(tmp_path):
         assert [(c.tag, c.result) for c in done] == [(7, -errno.EINVAL)]
     finally:
         engine.close()
+        os.close(fd)
+
+
+def test_uring_punts_reads_only_with_several_in_flight(tmp_path):
+    """IOSQE_ASYNC for reads when queue_depth > 1 (cached pages then copy on
+    io-wq workers, not inline on our thread); results are the same either way."""
+    try:
+        engines = [UringEngine(1), UringEngine(8)]
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"io_uring cannot start here: {exc}")
+    path = tmp_path / "f"
+    data = np.random.default_rng(3).integers(0, 255, 1 << 20, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for engine in engines:
+            out = np.zeros(1 << 20, np.uint8)
+            view = out.data.cast("B")
+            requests = [
+                IORequest(READ, fd, off, view[off : off + 65536], off)
+                for off in range(0, 1 << 20, 65536)
+            ]
+            assert all(c.result == 65536 for c in engine.run(requests))
+            np.testing.assert_array_equal(out, data)
+    finally:
+        for engine in engines:
+            engine.close()
         os.close(fd)
