@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -53,6 +55,22 @@ def config(tmp_path) -> StoreConfig:
     return StoreConfig(cache_dir=str(tmp_path / "cache"), capacity="64MiB")
 
 
+def assert_chunks_open_with_safetensors(cache_dir: str) -> int:
+    """Every chunk file a test wrote is a valid safetensors file whose tensors
+    read back; returns how many were checked."""
+    from safetensors import safe_open
+
+    count = 0
+    for root, _, files in os.walk(cache_dir):
+        for name in files:
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(root, name), "np") as handle:
+                    for key in handle.keys():  # noqa: SIM118 - not a dict
+                        handle.get_tensor(key)
+                count += 1
+    return count
+
+
 @pytest.fixture
 def store(config, spec):
     handle = KVStore(config, spec)
@@ -60,3 +78,4 @@ def store(config, spec):
     problems = handle.check(verify_data=True)
     handle.close()
     assert problems == []
+    assert_chunks_open_with_safetensors(config.cache_dir)  # raises on a bad file
