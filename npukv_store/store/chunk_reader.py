@@ -21,6 +21,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -66,12 +67,14 @@ class ChunkReader:
         self._queue_depth = queue_depth
         self._engines = threading.local()  # one engine per reading thread
         self._all_engines: list[IOEngine] = []
+        self._verify_pool: ThreadPoolExecutor | None = None
 
     def clear(self) -> None:
         """Forget cached headers and engines (after fork: their threads are gone)."""
         with self._lock:
             self._headers.clear()
             self._all_engines = []
+            self._verify_pool = None  # its thread did not survive the fork
         self._engines = threading.local()
 
     def read_rows(
@@ -138,14 +141,31 @@ class ChunkReader:
                 owners.append((pos, segment))
         sums = header.checksums
         failed: set[int] = set()
+        checks = []
         for done in self._engine().stream(requests):
             pos, (_, first, count, buffer) = owners[done.tag]
             if done.result != buffer.nbytes:  # short read (truncated file) or -errno
                 failed.update(range(first, first + count))
             remaining[pos] -= 1
             if remaining[pos] == 0 and self._verify:
-                failed |= self._bad_rows(header, items, layers[pos], dest, sums)
+                # On the verifier thread (GIL-free C): this thread goes on
+                # reaping and submitting, so the disk never waits for a checksum.
+                checks.append(
+                    self._verifier().submit(
+                        self._bad_rows, header, items, layers[pos], dest, sums
+                    )
+                )
+        for check in checks:
+            failed |= check.result()
         return [i for i, _ in items if i not in failed]
+
+    def _verifier(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._verify_pool is None:
+                self._verify_pool = ThreadPoolExecutor(
+                    1, thread_name_prefix="npukv-verify"
+                )
+            return self._verify_pool
 
     def _engine(self) -> IOEngine:
         engine: IOEngine | None = getattr(self._engines, "engine", None)
@@ -157,11 +177,14 @@ class ChunkReader:
         return engine
 
     def close(self) -> None:
-        """Release the engines of every thread that read."""
+        """Release the engines of every thread that read, and the verifier."""
         with self._lock:
             engines, self._all_engines = self._all_engines, []
+            pool, self._verify_pool = self._verify_pool, None
         for engine in engines:
             engine.close()
+        if pool is not None:
+            pool.shutdown(wait=True)
         self._engines = threading.local()
 
     def _bad_rows(
