@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,7 +30,7 @@ import numpy as np
 
 from npukv_store import native
 from npukv_store.errors import IOEngineError
-from npukv_store.io.engine import WRITE, IOEngine, IORequest
+from npukv_store.io.engine import WRITE, Completion, IOEngine, IORequest
 from npukv_store.io.ring import Region, StagingRing
 
 logger = logging.getLogger(__name__)
@@ -179,9 +179,9 @@ def write_image(
             (buffered files that will be fsynced: the disk works while later
             pieces are written, instead of all at the fsync).
         tail_offset, fill_tail: bytes from ``tail_offset`` on are not final
-            yet: the first pieces before it are submitted, then ``fill_tail()``
-            runs (the checksum table, GIL-free) while they are at the disk, and
-            the rest follows.
+            yet: ``fill_tail()`` (the checksum table, GIL-free) runs on its own
+            thread while every piece before ``tail_offset`` is written, and the
+            rest follows once it returns.
 
     Raises:
         IOEngineError: a piece failed or was short (the caller removes the file).
@@ -191,15 +191,50 @@ def write_image(
         IORequest(WRITE, fd, offset, view[offset : offset + WRITE_PIECE_BYTES], offset)
         for offset in range(0, len(view), WRITE_PIECE_BYTES)
     ]
-    if fill_tail is not None:
-        tail = len(view) if tail_offset is None else tail_offset
-        early = [r for r in requests if r.offset + len(r.buffer) <= tail]
-        head = early[: engine.queue_depth]
-        engine.submit(head)
-        fill_tail()
-        requests = requests[len(head) :]
-    for done in engine.stream(requests):
-        expected = min(WRITE_PIECE_BYTES, len(view) - done.tag)
+    try:
+        if fill_tail is not None:
+            tail = len(view) if tail_offset is None else tail_offset
+            early = [r for r in requests if r.offset + len(r.buffer) <= tail]
+            with _BackgroundCall(fill_tail):  # GIL-free hashing beside the writes
+                _check_writes(engine.stream(early), fd, len(view), writeback)
+            requests = requests[len(early) :]
+        _check_writes(engine.stream(requests), fd, len(view), writeback)
+    except BaseException:
+        while engine.in_flight:  # no stale completion may reach the next chunk
+            engine.reap(engine.in_flight)
+        raise
+    return len(view)
+
+
+class _BackgroundCall:
+    """Run ``fn`` on a short-lived thread for the duration of a ``with`` block;
+    its exception, if any, is raised at the end of the block."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="npukv-checksum")
+
+    def _run(self) -> None:
+        try:
+            self._fn()
+        except BaseException as exc:  # handed to the caller in __exit__
+            self._error = exc
+
+    def __enter__(self) -> None:
+        self._thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def _check_writes(
+    completions: Iterator[Completion], fd: int, total: int, writeback: bool
+) -> None:
+    for done in completions:
+        expected = min(WRITE_PIECE_BYTES, total - done.tag)
         if done.result != expected:
             errno = -done.result if done.result < 0 else 28  # short write: ENOSPC
             raise IOEngineError(
@@ -208,4 +243,3 @@ def write_image(
             )
         if writeback:
             native.sync_file_range_write(fd, done.tag, expected)
-    return len(view)
