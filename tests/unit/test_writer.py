@@ -135,3 +135,39 @@ def test_failed_batch_is_counted_and_writer_goes_on(config, spec, monkeypatch):
         assert store.flush(timeout_s=30)
         assert_reads_back(store, keys)
         assert store.check() == []
+
+
+@pytest.mark.parametrize("kind", ["threads", "uring"])
+def test_failed_image_write_leaves_no_request_in_flight(tmp_path, kind):
+    """A failed piece raises IOEngineError and the engine is drained, so the
+    next chunk written with the same engine sees none of this one's completions."""
+    from npukv_store.errors import IOEngineError
+    from npukv_store.io.engine import make_engine
+    from npukv_store.io.writer import WRITE_PIECE_BYTES, write_image
+
+    try:
+        engine = make_engine(kind, 4)
+    except Exception as exc:  # ConfigError where io_uring cannot start
+        pytest.skip(f"{kind} engine unavailable here: {exc}")
+    image = np.ones(WRITE_PIECE_BYTES * 6 + 100, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    hashed = []
+    readonly = os.open(path, os.O_RDONLY)  # every write fails with EBADF
+    try:
+        with pytest.raises(IOEngineError, match="chunk write at offset"):
+            write_image(
+                engine, readonly, image, tail_offset=image.size - 100,
+                fill_tail=lambda: hashed.append(True),
+            )  # fmt: skip
+        assert engine.in_flight == 0
+        assert hashed == [True]  # the tail was still filled before raising
+        writable = os.open(path, os.O_WRONLY)
+        try:
+            assert write_image(engine, writable, image) == image.size
+        finally:
+            os.close(writable)
+        assert path.stat().st_size == image.size
+    finally:
+        os.close(readonly)
+        engine.close()
