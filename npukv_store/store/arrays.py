@@ -3,16 +3,19 @@
 Runs in: any process. The store layer never imports torch; a torch tensor can
 only reach it from a caller that imported torch already, so ``sys.modules`` has it.
 
-    byte_rows() - a validated, C-contiguous ``uint8 [rows, row_bytes]`` view
+    byte_rows()   - a validated, C-contiguous ``uint8 [rows, row_bytes]`` view
+    input_rows()  - every tensor of a put, validated against the namespace
+    output_rows() - the destination rows of a read, and the layers they pick
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from npukv_store.spec import PartSpec
+from npukv_store.spec import NamespaceSpec, PartSpec
 
 # numpy dtype -> safetensors code. numpy has no bf16/fp8: for those the caller
 # passes same-width unsigned ints holding the bit patterns.
@@ -97,3 +100,45 @@ def byte_rows(
             f"{part.row_bytes}"
         )
     return rows.reshape(num_rows, part.row_bytes)
+
+
+def input_rows(
+    spec: NamespaceSpec, keys: Sequence[bytes], tensors: Mapping[str, object]
+) -> dict[str, np.ndarray]:
+    """Byte rows of every tensor of a put.
+
+    Raises:
+        ValueError: keys are not 16 bytes, or tensors do not match ``spec``.
+    """
+    if not keys or any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
+        raise ValueError("keys: expected a non-empty list of 16-byte keys")
+    expected = spec.tensor_names()
+    if sorted(tensors) != sorted(expected):
+        raise ValueError(f"tensors: found {sorted(tensors)}, expected {expected}")
+    parts = {f"{lay.name}.{p.name}": p for lay in spec.layers for p in lay.parts}
+    return {n: byte_rows(tensors[n], parts[n], len(keys), n) for n in expected}
+
+
+def output_rows(
+    spec: NamespaceSpec, num_rows: int, out: Mapping[str, object]
+) -> tuple[list[int], dict[str, np.ndarray]]:
+    """The layer indices a read asks for and writable byte rows of each tensor.
+
+    Raises:
+        ValueError: a layer's parts are only partly there, or unknown names.
+    """
+    layers, dest = [], {}
+    for li, layer in enumerate(spec.layers):
+        names = layer.tensor_names()
+        present = [n in out for n in names]
+        if any(present) and not all(present):
+            raise ValueError(f"out: layer {layer.name!r} needs all of {names}")
+        if all(present):
+            layers.append(li)
+            for name, part in zip(names, layer.parts, strict=True):
+                dest[name] = byte_rows(out[name], part, num_rows, name, writable=True)
+    if set(out) - set(dest) or not layers:
+        raise ValueError(
+            f"out: found {sorted(out)}, expected tensor names of model {spec.model!r}"
+        )
+    return layers, dest

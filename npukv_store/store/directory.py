@@ -31,7 +31,12 @@ import socket
 import time
 from collections.abc import Iterator
 
-from npukv_store.errors import BadMagic, ConfigError, VersionMismatch
+from npukv_store.errors import (
+    BadMagic,
+    ConfigError,
+    NamespaceMismatch,
+    VersionMismatch,
+)
 from npukv_store.liveness import pid_alive
 from npukv_store.spec import FORMAT_VERSION
 
@@ -143,6 +148,30 @@ class CacheDir:
         else:
             name = tag.encode().hex() + secrets.token_hex(8)
         return os.path.join(self.tmp_dir, f"{os.getpid()}-{name}.tmp")
+
+    def ensure_namespace(self, namespace: str, canonical_json: str) -> None:
+        """Create ``<ns>/chunks/`` and ``<ns>/namespace.json`` if missing.
+
+        Raises:
+            NamespaceMismatch: namespace.json holds another spec (a fingerprint
+                collision or a hand-edited file).
+        """
+        os.makedirs(os.path.join(self.ns_dir(namespace), "chunks"), exist_ok=True)
+        path = os.path.join(self.ns_dir(namespace), "namespace.json")
+        try:
+            with open(path, encoding="utf-8") as handle:
+                found = handle.read()
+        except FileNotFoundError:
+            tmp = self.tmp_path("namespace")
+            with open(tmp, "w", encoding="utf-8") as handle:
+                handle.write(canonical_json)
+            os.replace(tmp, path)  # same content from every writer: last one wins
+            return
+        if found != canonical_json:
+            raise NamespaceMismatch(
+                f"{path}: holds {found[:120]!r}..., expected the spec "
+                f"{canonical_json[:120]!r}..."
+            )
 
     def namespaces(self) -> list[str]:
         """Namespace directories present on disk."""

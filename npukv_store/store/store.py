@@ -31,22 +31,20 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from npukv_store.config import StoreConfig
-from npukv_store.errors import NamespaceMismatch
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
 from npukv_store.io.writer import Event
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import recovery
-from npukv_store.store.arrays import byte_rows
+from npukv_store.store.arrays import input_rows, output_rows
 from npukv_store.store.chunk_reader import ChunkReader
 from npukv_store.store.chunk_writer import unlink_quietly, write_chunk
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.index import ChunkRecord
 from npukv_store.store.saver import AsyncSaver
 from npukv_store.store.stats import PutResult, StoreCounters, StoreStats
+from npukv_store.store.touches import TouchRecorder
 
 logger = logging.getLogger(__name__)
-
-_TOUCH_FLUSH_S = 1.0  # how stale the shared LRU may get for read-only processes
 
 
 class KVStore:
@@ -78,10 +76,8 @@ class KVStore:
             verify=config.verify == "always", engine_kind=config.io_engine,
             queue_depth=config.io_queue_depth,
         )  # fmt: skip
-        self._touched: set[bytes] = set()  # chunk ids (8 bytes LE) read
-        self._touched_keys: set[bytes] = set()  # keys found by lookups
+        self.touches = TouchRecorder(lambda: self.index)
         self._closed = threading.Event()
-        self._touch_thread: threading.Thread | None = None
         self._open()
 
     def _open(self) -> None:
@@ -92,37 +88,17 @@ class KVStore:
                 self.dir, map_size=self.config.index_map_size, sync=self._sync
             )
             recovery.remove_garbage(self.dir, self.index, self.config.tmp_max_age_s)
-            self._ensure_namespace_dir()
+            self.dir.ensure_namespace(self.namespace, self.spec.canonical_json())
 
     @property
     def _sync(self) -> bool:
         return self.config.fsync == "chunk"
 
-    def _ensure_namespace_dir(self) -> None:
-        os.makedirs(
-            os.path.join(self.dir.ns_dir(self.namespace), "chunks"), exist_ok=True
-        )
-        path = os.path.join(self.dir.ns_dir(self.namespace), "namespace.json")
-        text = self.spec.canonical_json()
-        try:
-            with open(path, encoding="utf-8") as handle:
-                found = handle.read()
-        except FileNotFoundError:
-            tmp = self.dir.tmp_path("namespace")
-            with open(tmp, "w", encoding="utf-8") as handle:
-                handle.write(text)
-            os.replace(tmp, path)  # same content from every writer: last one wins
-            return
-        if found != text:
-            raise NamespaceMismatch(
-                f"{path}: holds {found[:120]!r}..., expected the spec {text[:120]!r}..."
-            )
-
     def _check_fork(self) -> None:
         if os.getpid() != self._pid:  # LMDB handles must not cross fork()
             self._reader.clear()
             self._in_flight.clear()
-            self._touch_thread = None
+            self.touches.reset_after_fork()
             self._async = None  # the parent's ring and writer thread stay its own
             self._open()
 
@@ -153,25 +129,12 @@ class KVStore:
             OSError: the chunk could not be written (nothing is published).
         """
         self._check_fork()
-        rows = self._input_rows(keys, tensors)
+        rows = input_rows(self.spec, keys, tensors)
         fresh = self._claim(keys)
         try:
             return self._put_claimed(keys, rows, fresh)
         finally:
             self._release_claims([keys[i] for i in fresh])
-
-    def _input_rows(
-        self, keys: Sequence[bytes], tensors: Mapping[str, object]
-    ) -> dict[str, np.ndarray]:
-        if not keys or any(not isinstance(k, bytes) or len(k) != 16 for k in keys):
-            raise ValueError("keys: expected a non-empty list of 16-byte keys")
-        expected = self.spec.tensor_names()
-        if sorted(tensors) != sorted(expected):
-            raise ValueError(f"tensors: found {sorted(tensors)}, expected {expected}")
-        parts = {
-            f"{lay.name}.{p.name}": p for lay in self.spec.layers for p in lay.parts
-        }
-        return {n: byte_rows(tensors[n], parts[n], len(keys), n) for n in expected}
 
     def _claim(self, keys: Sequence[bytes]) -> list[int]:
         """Indices of keys not stored and not in flight; marks them in flight."""
@@ -233,7 +196,7 @@ class KVStore:
                 record,
                 capacity_bytes=self.config.capacity,
                 grace_ns=int(self.config.evict_grace_s * 1e9),
-                touched=self._take_touches(),
+                touched=self.touches.take(),
                 unlinked=self._take_unlinked(),
             )
         except BaseException:
@@ -282,7 +245,7 @@ class KVStore:
             ``queued``, ``skipped`` and ``dropped`` block counts.
         """
         self._check_fork()
-        rows = self._input_rows(keys, tensors)
+        rows = input_rows(self.spec, keys, tensors)
         fresh = self._claim(keys)
         queued = self._saver().stage(keys, rows, fresh, event)
         skipped = len(keys) - len(fresh)
@@ -331,9 +294,7 @@ class KVStore:
         self._check_fork()
         count = self.index.lookup_prefix(keys)
         if count:
-            with self._lock:  # resolved to chunk ids later, off the lookup path
-                self._touched_keys.update(keys[:count])
-            self._record_touches(set())
+            self.touches.note_keys(keys[:count])
         self.counters.add(lookups=1, hit_blocks=count, lookup_blocks=len(keys))
         return count
 
@@ -351,7 +312,7 @@ class KVStore:
             row's contents are then unspecified and must be recomputed.
         """
         self._check_fork()
-        layers, dest = self._output_rows(keys, out)
+        layers, dest = output_rows(self.spec, len(keys), out)
         ok = [False] * len(keys)
         by_chunk: dict[int, list[tuple[int, int]]] = {}
         for i, loc in enumerate(self.index.locate(keys)):
@@ -360,7 +321,7 @@ class KVStore:
         for chunk_id, items in by_chunk.items():
             good = self._reader.read_rows(chunk_id, items, keys, layers, dest)
             if good:
-                self._record_touches({chunk_id.to_bytes(8, "little")})
+                self.touches.note_chunk(chunk_id)
             for i in good:
                 ok[i] = True
         hits = sum(ok)
@@ -371,67 +332,15 @@ class KVStore:
         )
         return ok
 
-    def _output_rows(
-        self, keys: Sequence[bytes], out: Mapping[str, object]
-    ) -> tuple[list[int], dict[str, np.ndarray]]:
-        layers, dest = [], {}
-        for li, layer in enumerate(self.spec.layers):
-            names = layer.tensor_names()
-            present = [n in out for n in names]
-            if any(present) and not all(present):
-                raise ValueError(f"out: layer {layer.name!r} needs all of {names}")
-            if all(present):
-                layers.append(li)
-                for name, part in zip(names, layer.parts, strict=True):
-                    dest[name] = byte_rows(
-                        out[name], part, len(keys), name, writable=True
-                    )
-        unknown = set(out) - set(dest)
-        if unknown or not layers:
-            raise ValueError(
-                f"out: found {sorted(out)}, expected tensor names of {self.namespace}"
-            )
-        return layers, dest
-
-    # -- LRU touches -----------------------------------------------------------
-
-    def _record_touches(self, chunk_ids: set[bytes]) -> None:
-        with self._lock:
-            self._touched |= chunk_ids
-            if self._touch_thread is None:
-                self._touch_thread = threading.Thread(
-                    target=self._touch_loop, name="npukv-touch", daemon=True
-                )
-                self._touch_thread.start()
-
     def _take_unlinked(self) -> list[int]:
         with self._lock:
             unlinked, self._unlinked = self._unlinked, []
         return unlinked
 
-    def _take_touches(self) -> set[bytes]:
-        with self._lock:
-            touched, self._touched = self._touched, set()
-            keys, self._touched_keys = list(self._touched_keys), set()
-        for location in self.index.locate(keys) if keys else ():
-            if location is not None:
-                touched.add(location[0].to_bytes(8, "little"))
-        return touched
-
-    def _touch_loop(self) -> None:
-        """Publish this process's reads to the shared LRU about once a second,
-        off the lookup path, so lookups never wait for the index write lock."""
-        while not self._closed.wait(_TOUCH_FLUSH_S):
-            self.flush_touches()
-
     def flush_touches(self) -> None:
         """Write pending LRU touches to the index now."""
-        touched = self._take_touches()
-        if touched and os.getpid() == self._pid:
-            try:
-                self.index.touch(touched, time.time_ns())
-            except Exception:  # a cache hint: losing it only ages the chunk
-                logger.warning("LRU touch failed", exc_info=True)
+        if os.getpid() == self._pid:
+            self.touches.flush()
 
     # -- the rest --------------------------------------------------------------
 
@@ -468,15 +377,12 @@ class KVStore:
             return
         self._closed.set()
         if os.getpid() == self._pid:
-            thread = self._touch_thread
-            if thread is not None:
-                thread.join()  # it may be mid-flush: finish before the index closes
-            self.flush_touches()
+            if self._async is not None:
+                self._async.close()  # drains complete batches into the index
+            self.touches.stop()  # after the drain: its commits may evict
             unlinked = self._take_unlinked()
             if unlinked:
                 self.index.forget_dead(unlinked)
-            if self._async is not None:
-                self._async.close()  # drains complete batches into the index
             self._reader.close()
             self.index.close()
 
