@@ -23,7 +23,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -62,7 +62,6 @@ class SaveBatch:
     chunk_id: int
     created_ns: int
     event: Event | None = None
-    extra: dict[str, object] = field(default_factory=dict)
 
     def ready(self) -> bool:
         """Whether the batch's bytes are complete (its event has fired)."""

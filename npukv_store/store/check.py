@@ -22,11 +22,13 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+import numpy as np
+
 from npukv_store.config import StoreConfig
 from npukv_store.errors import FormatError
 from npukv_store.store import recovery
 from npukv_store.store.directory import CacheDir
-from npukv_store.store.format import ChunkHeader, layer_checksum, parse_header
+from npukv_store.store.format import ChunkHeader, layer_checksums, parse_header
 from npukv_store.store.index import ChunkRecord, Index
 
 
@@ -95,13 +97,11 @@ def _verify_rows(fd: int, header: ChunkHeader) -> list[str]:
     problems = []
     for li, entries in enumerate(header.layers):
         data = [os.pread(fd, e.end - e.begin, e.begin) for e in entries]
-        for row in range(header.num_blocks):
-            parts = [
-                memoryview(d)[row * e.row_bytes : (row + 1) * e.row_bytes]
-                for d, e in zip(data, entries, strict=True)
-            ]
-            if layer_checksum(parts) != int(header.checksums[row, li]):
-                problems.append(f"chunk {header.path}: row {row} layer {li} checksum")
+        if any(len(d) != e.end - e.begin for d, e in zip(data, entries, strict=True)):
+            return [f"chunk {header.path}: short read of layer {li}"]
+        found = layer_checksums(data, header.num_blocks)
+        for row in np.nonzero(found != header.checksums[:, li])[0].tolist():
+            problems.append(f"chunk {header.path}: row {row} layer {li} checksum")
     return problems
 
 

@@ -185,11 +185,6 @@ def build_chunk(
     ]
 
 
-def layer_checksum(parts: Sequence[BufferLike]) -> int:
-    """xxh3_64 over one block's parts of one layer, in file order."""
-    return int(native.xxh3_rows(parts, 1)[0])
-
-
 def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
     data = os.pread(fd, nbytes, offset)
     if len(data) != nbytes:
@@ -279,7 +274,6 @@ __all__ = [
     "build_chunk",
     "compute_checksums",
     "encode_header",
-    "layer_checksum",
     "layer_checksums",
     "parse_header",
 ]
