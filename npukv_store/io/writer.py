@@ -91,8 +91,6 @@ class BackgroundWriter:
         self._submitted = 0
         self._finished = 0
         self._closing = False
-        self.failed_batches = 0
-        self.dropped_batches = 0
         self._thread = threading.Thread(
             target=self._run, name="npukv-writer", daemon=True
         )
@@ -145,7 +143,6 @@ class BackgroundWriter:
                 batch.event.synchronize()
             self._publish(batch)
         except Exception:  # one lost batch; the writer and the server go on
-            self.failed_batches += 1
             logger.warning(
                 "save batch of chunk %016x failed", batch.chunk_id, exc_info=True
             )
@@ -154,7 +151,6 @@ class BackgroundWriter:
             self._ring.release(batch.region)
 
     def _drop(self, batch: SaveBatch) -> None:
-        self.dropped_batches += 1
         try:
             self._discard(batch)
         finally:
