@@ -247,7 +247,11 @@ class KVStore:
         self._check_fork()
         rows = input_rows(self.spec, keys, tensors)
         fresh = self._claim(keys)
-        queued = self._saver().stage(keys, rows, fresh, event)
+        try:
+            queued = self._saver().stage(keys, rows, fresh, event)
+        except BaseException:  # e.g. the ring does not fit: keys must stay savable
+            self._release_claims([keys[i] for i in fresh])
+            raise
         skipped = len(keys) - len(fresh)
         dropped = len(fresh) - queued
         if dropped:

@@ -171,3 +171,17 @@ def test_failed_image_write_leaves_no_request_in_flight(tmp_path, kind):
     finally:
         os.close(readonly)
         engine.close()
+
+
+def test_failed_staging_releases_the_claimed_keys(tmp_path, spec):
+    """Regression: a ring that cannot be created raised out of put_async with
+    the keys still marked in flight, so this handle never saved them again."""
+    from npukv_store.errors import ConfigError
+
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    config = StoreConfig(cache_dir=str(tmp_path / "c"), ring_size=free + (1 << 30))
+    with KVStore(config, spec) as store:
+        keys = store.keys_for(range(32))
+        with pytest.raises(ConfigError, match="ring_size"):
+            store.put_async(keys, block_tensors(spec, keys))
+        assert store.put(keys, block_tensors(spec, keys)).stored == 2
