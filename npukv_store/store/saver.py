@@ -37,6 +37,35 @@ if TYPE_CHECKING:
     from npukv_store.store.store import KVStore
 
 
+class StagedBatch:
+    """A reserved ring region laid out as one chunk file, being filled.
+
+    The data section is layer-major: layer ``i``'s rows start at
+    :meth:`layer_offset` and each row is that layer's ``row_bytes``, parts
+    one after the other (see docs/format.md).
+    """
+
+    __slots__ = ("batch", "data_start")
+
+    def __init__(self, batch: SaveBatch, data_start: int) -> None:
+        self.batch = batch
+        self.data_start = data_start
+
+    @property
+    def image(self) -> np.ndarray:
+        return self.batch.image
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        return self.batch.keys
+
+    def layer_offset(self, spec: NamespaceSpec, layer_index: int) -> int:
+        """Byte offset in :attr:`image` of layer ``layer_index``'s first row."""
+        count = len(self.batch.keys)
+        before = sum(layer.row_bytes for layer in spec.layers[:layer_index])
+        return self.data_start + count * before
+
+
 class AsyncSaver:
     """The asynchronous save path of one store handle."""
 
@@ -56,9 +85,23 @@ class AsyncSaver:
         """Stage the ``fresh`` rows; returns how many were queued (0: dropped)."""
         if not fresh:
             return 0
+        staged = self.reserve(tuple(keys[i] for i in fresh))
+        if staged is None:
+            return 0  # ring full: drop the batch, never wait
+        spec = self._store.spec
+        native.copy_runs(
+            [rows[name] for name in spec.tensor_names()],
+            [staged.image],
+            _gather_runs(spec, staged.data_start, fresh, len(fresh) == len(keys)),
+        )
+        self.submit(staged, event)
+        return len(fresh)
+
+    def reserve(self, batch_keys: tuple[bytes, ...]) -> StagedBatch | None:
+        """A ring region laid out as the chunk of ``batch_keys`` with its header
+        written; the caller fills the data section. None when the ring is full."""
         store = self._store
         spec = store.spec
-        batch_keys = tuple(keys[i] for i in fresh)
         created = time.time_ns()
         header = encode_header(
             spec,
@@ -71,20 +114,22 @@ class AsyncSaver:
         file_bytes = len(header) + count * (spec.block_bytes + 8 * len(spec.layers))
         region = self.ring.reserve(file_bytes)
         if region is None:
-            return 0  # ring full: drop the batch, never wait
+            return None
         image = self.ring.view(region)[:file_bytes]
         image[: len(header)] = np.frombuffer(header, dtype=np.uint8)
-        native.copy_runs(
-            [rows[name] for name in spec.tensor_names()],
-            [image],
-            _gather_runs(spec, len(header), fresh, len(fresh) == len(keys)),
+        return StagedBatch(
+            SaveBatch(region, image, batch_keys, secrets.randbits(63) + 1, created),
+            len(header),
         )
-        self.writer.submit(
-            SaveBatch(
-                region, image, batch_keys, secrets.randbits(63) + 1, created, event
-            )
-        )
-        return count
+
+    def submit(self, staged: StagedBatch, event: Event | None) -> None:
+        """Hand a filled batch to the writer (after ``event`` fires)."""
+        staged.batch.event = event
+        self.writer.submit(staged.batch)
+
+    def abort(self, staged: StagedBatch) -> None:
+        """Give a reserved batch's region back unwritten."""
+        self.ring.release(staged.batch.region)
 
     def _publish(self, batch: SaveBatch) -> None:
         """Writer thread: checksums into the image, write, publish, release keys."""

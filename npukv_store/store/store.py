@@ -40,11 +40,37 @@ from npukv_store.store.chunk_reader import ChunkReader
 from npukv_store.store.chunk_writer import unlink_quietly, write_chunk
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.index import ChunkRecord
-from npukv_store.store.saver import AsyncSaver
+from npukv_store.store.saver import AsyncSaver, StagedBatch
 from npukv_store.store.stats import PutResult, StoreCounters, StoreStats
 from npukv_store.store.touches import TouchRecorder
 
 logger = logging.getLogger(__name__)
+
+
+class StagedSave:
+    """Blocks claimed for saving and their reserved ring region (see
+    :meth:`KVStore.begin_save`).
+
+    Attributes:
+        keys: the claimed keys, in row order.
+        indices: position of each claimed key in the keys given to begin_save.
+        image: the region (uint8), exactly the chunk file being built.
+    """
+
+    __slots__ = ("batch", "image", "indices", "keys", "spec")
+
+    def __init__(self, spec: NamespaceSpec, batch: StagedBatch, indices: list[int]):
+        self.spec = spec
+        self.batch = batch
+        self.keys = batch.keys
+        self.indices = indices
+        self.image = batch.image
+
+    def layer_address(self, layer_index: int) -> int:
+        """Address of layer ``layer_index``'s first row; rows are that layer's
+        ``row_bytes`` apart."""
+        base: int = self.image.ctypes.data
+        return base + self.batch.layer_offset(self.spec, layer_index)
 
 
 class KVStore:
@@ -262,6 +288,76 @@ class KVStore:
         return PutResult(
             stored=0, skipped=skipped, rejected=0, queued=queued, dropped=dropped
         )
+
+    def begin_save(self, keys: Sequence[bytes]) -> StagedSave | None:
+        """Claim the blocks of ``keys`` not stored or in flight and reserve a
+        ring region laid out as their chunk, for a caller that fills it layer
+        by layer (the connector's device copies). Never blocks.
+
+        Returns:
+            None when nothing is left to save or the ring is full (counted as
+            skipped or dropped). Otherwise a :class:`StagedSave`: fill every
+            layer's rows at ``staged.layer_address(i)``, then
+            :meth:`commit_save` or :meth:`abort_save` it exactly once.
+        """
+        self._check_fork()
+        fresh = self._claim(keys)
+        skipped = len(keys) - len(fresh)
+        batch_keys = tuple(keys[i] for i in fresh)
+        staged = None
+        try:
+            if fresh:
+                staged = self._saver().reserve(batch_keys)
+        finally:
+            if staged is None:
+                self._release_claims(batch_keys)
+        dropped = len(fresh) if staged is None else 0
+        self.counters.add(skipped_blocks=skipped, dropped_blocks=dropped)
+        if staged is None:
+            return None
+        return StagedSave(self.spec, staged, fresh)
+
+    def commit_save(self, staged: StagedSave, event: Event | None = None) -> None:
+        """Queue a filled :class:`StagedSave` for the writer; it is read only
+        after ``event`` (the device copies into it) has fired."""
+        self._saver().submit(staged.batch, event)
+        self.counters.add(queued_blocks=len(staged.keys))
+
+    def abort_save(self, staged: StagedSave) -> None:
+        """Drop a :class:`StagedSave` unwritten and release its blocks."""
+        self._saver().abort(staged.batch)
+        self._release_claims(staged.keys)
+        self.counters.add(dropped_blocks=len(staged.keys))
+
+    def ring_buffer(self) -> np.ndarray:
+        """The staging ring's bytes (creating it): what a device registers."""
+        return self._saver().ring.data
+
+    def readahead(self, keys: Sequence[bytes]) -> int:
+        """Hint the kernel to start reading the chunks holding ``keys``.
+
+        Best effort and non-blocking; returns how many chunk files were hinted.
+        """
+        self._check_fork()
+        chunks = {loc[0] for loc in self.index.locate(keys) if loc is not None}
+        hinted = 0
+        for chunk_id in chunks:
+            record = self.index.chunk(chunk_id)
+            if record is None:
+                continue
+            path = self.dir.chunk_path(record.namespace.hex(), chunk_id)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue  # evicted meanwhile: the read will miss
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                hinted += 1
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        return hinted
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything put_async'ed so far is published (visible to

@@ -185,3 +185,63 @@ def test_failed_staging_releases_the_claimed_keys(tmp_path, spec):
         with pytest.raises(ConfigError, match="ring_size"):
             store.put_async(keys, block_tensors(spec, keys))
         assert store.put(keys, block_tensors(spec, keys)).stored == 2
+
+
+def _fill_layerwise(store, staged, rows):
+    """What the connector's device copies do: each layer's rows at its address."""
+    spec = store.spec
+    for index, layer in enumerate(spec.layers):
+        offset = staged.layer_address(index) - staged.image.ctypes.data
+        for part in layer.parts:
+            data = rows[f"{layer.name}.{part.name}"][staged.indices]
+            flat = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+            staged.image[offset : offset + flat.size] = flat
+            offset += flat.size
+
+
+def test_begin_save_filled_layer_by_layer_publishes(config, spec):
+    """begin_save claims only fresh keys, lays the region out as the chunk, and
+    a batch filled layer by layer reads back exactly."""
+    with KVStore(config, spec) as store:
+        keys = store.keys_for(range(16 * 6))
+        store.put(keys[:2], block_tensors(spec, keys[:2]))
+        rows = block_tensors(spec, keys)
+        staged = store.begin_save(keys)
+        assert staged is not None
+        assert staged.indices == [2, 3, 4, 5]
+        assert store.begin_save(keys) is None  # all stored or in flight now
+        _fill_layerwise(store, staged, rows)
+        store.commit_save(staged, event=None)
+        assert store.flush(timeout_s=30)
+        assert store.lookup(keys) == 6
+        out = empty_like_blocks(spec, 6)
+        assert store.read(keys, out) == [True] * 6
+        for name, array in rows.items():
+            np.testing.assert_array_equal(out[name], array)
+        assert store.check(verify_data=True) == []
+
+
+def test_abort_save_releases_keys_and_region(config, spec):
+    with KVStore(config, spec) as store:
+        keys = store.keys_for(range(16 * 3))
+        staged = store.begin_save(keys)
+        assert staged is not None
+        store.abort_save(staged)
+        assert store.stats().counters["dropped_blocks"] == 3
+        again = store.begin_save(keys)  # the keys can be saved again
+        assert again is not None
+        assert again.indices == [0, 1, 2]
+        _fill_layerwise(store, again, block_tensors(spec, keys))
+        store.commit_save(again)
+        assert store.flush(timeout_s=30)
+        assert store.lookup(keys) == 3
+        assert store.check(verify_data=True) == []
+
+
+def test_begin_save_on_a_full_ring_drops(tmp_path, spec):
+    config = StoreConfig(cache_dir=str(tmp_path / "c"), ring_size="64KiB")
+    with KVStore(config, spec) as store:
+        keys = store.keys_for(range(16 * 40))  # 40 blocks of 3 KiB: > 64 KiB
+        assert store.begin_save(keys) is None
+        assert store.stats().counters["dropped_blocks"] == 40
+        assert store.begin_save(keys[:2]) is not None  # keys were released
