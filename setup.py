@@ -5,6 +5,7 @@ import os
 from setuptools import Extension, setup
 
 SOURCES = ["module.c", "fileio.c", "checksum.c", "copy.c", "uring.c"]
+SOURCES += ["ptrs.c", "device.c"]  # raw-address copies; CUDA/ACL calls (dlopen)
 # The xxhash header (Debian: libxxhash-dev) enables the GIL-free checksums;
 # without it the module builds anyway and npukv_store uses the Python twin.
 INCLUDE_DIRS = ["/usr/include", "/usr/local/include"]
@@ -19,7 +20,7 @@ setup(
             depends=["native/nkv.h"],
             define_macros=[("NKV_HAVE_XXHASH", "1")] if HAVE_XXHASH else [],
             extra_compile_args=["-O3", "-Wall", "-Wextra", "-Werror", "-std=c11"],
-            extra_link_args=["-pthread"],  # copy.c's threads
+            extra_link_args=["-pthread", "-ldl"],  # copy.c's threads, device.c's dlopen
         )
     ]
 )

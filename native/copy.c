@@ -44,15 +44,7 @@
 /* Below this many bytes in all, extra threads cost more than they save. */
 #define NKV_COPY_THREAD_MINSIZE (4 * 1024 * 1024)
 #define NKV_COPY_DEFAULT_THREADS 4
-#define NKV_COPY_MAX_THREADS 64
 #define NKV_COPY_COLUMNS 5
-
-/* One checked run, resolved to addresses while the GIL is held. */
-typedef struct {
-    char *dst;
-    const char *src;
-    size_t nbytes;
-} nkv_run;
 
 /* One thread's share: `nbytes` bytes starting `skip` bytes into runs[first]. */
 typedef struct {
@@ -321,7 +313,7 @@ nkv_copy_parallel(const nkv_run *runs, size_t total, int nthreads)
     }
 }
 
-static void
+void
 nkv_copy_all(const nkv_run *runs, Py_ssize_t k, size_t total, int nthreads)
 {
     if (nthreads > 1 && total >= NKV_COPY_THREAD_MINSIZE) {
@@ -339,7 +331,7 @@ nkv_copy_all(const nkv_run *runs, Py_ssize_t k, size_t total, int nthreads)
 /* Method                                                                    */
 /* ------------------------------------------------------------------------ */
 
-static int
+int
 nkv_copy_default_threads(void)
 {
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);

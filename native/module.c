@@ -1,9 +1,12 @@
 /* npukv_store._native: method table, module init and the one errno mapper.
  *
  * No logic lives here: fileio.c (sync_file_range), checksum.c (xxh3 over
- * block rows), copy.c (GIL-free batched copies) and uring.c (io_uring) each add
- * their entry points in their own *_exec function. Every entry point has a pure-Python twin in npukv_store/native.py,
- * selected by NPUKV_NATIVE=0, and the same tests run against both.
+ * block rows), copy.c (GIL-free batched copies), uring.c (io_uring), ptrs.c
+ * (copies between raw addresses) and device.c (CUDA/ACL calls via dlopen) each
+ * add their entry points in their own *_exec function. Every entry point but
+ * device.c's has a pure-Python twin in npukv_store/native.py, selected by
+ * NPUKV_NATIVE=0, and the same tests run against both; device.c's runtime
+ * calls have none (npukv_store.device falls back to other paths).
  */
 #include "nkv.h"
 
@@ -12,7 +15,7 @@
 
 /* Bumped whenever a native entry point changes meaning; npukv_store checks it
  * at import so a stale build is refused instead of misbehaving. */
-#define NKV_ABI_VERSION 3
+#define NKV_ABI_VERSION 4
 
 PyObject *
 nkv_err_set(const char *what, int err)
@@ -35,7 +38,8 @@ nkv_exec(PyObject *module)
         return -1;
     }
     if (nkv_fileio_exec(module) < 0 || nkv_checksum_exec(module) < 0 ||
-        nkv_copy_exec(module) < 0 || nkv_uring_exec(module) < 0) {
+        nkv_copy_exec(module) < 0 || nkv_uring_exec(module) < 0 ||
+        nkv_ptrs_exec(module) < 0 || nkv_device_exec(module) < 0) {
         return -1;
     }
     return 0;

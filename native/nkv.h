@@ -24,9 +24,46 @@
 /* Set an OSError from errno `err` naming what failed; returns NULL. */
 PyObject *nkv_err_set(const char *what, int err);
 
+/* copy.c's copying half, shared with ptrs.c's copy_ptrs. */
+#define NKV_COPY_MAX_THREADS 64
+
+/* One checked run, resolved to addresses while the GIL is held. */
+typedef struct {
+    char *dst;
+    const char *src;
+    size_t nbytes;
+} nkv_run;
+
+/* Copy runs[0..k) (memmove each), `total` bytes in all, on up to `nthreads`
+ * threads from _COPY_THREAD_MINSIZE bytes on; no Python object is touched, so
+ * it may run without the GIL. Threaded: no run may overlap another. */
+void nkv_copy_all(const nkv_run *runs, Py_ssize_t k, size_t total, int nthreads);
+/* min(4, online CPUs): the threads of `threads=0`. */
+int nkv_copy_default_threads(void);
+
+/* ptrs.c: runs given as three int64 arrays (src_ptrs, dst_ptrs, sizes), the
+ * arguments of copy_ptrs and of device.c's batches. */
+typedef struct {
+    Py_buffer views[3];
+    int got;        /* views to release */
+    nkv_run *runs;  /* k resolved runs */
+    Py_ssize_t k;
+    size_t total;   /* sum of the sizes */
+    int overlap;    /* some run's source and destination overlap */
+} nkv_ptr_args;
+
+/* Acquire and check the three arrays, resolve every run; 0, or -1 with
+ * ValueError naming `fn`, the run and what was expected. Release either way. */
+int nkv_ptr_acquire(const char *fn, PyObject *const objs[3], nkv_ptr_args *a);
+void nkv_ptr_release(nkv_ptr_args *a);
+/* "O&" converter: a non-negative int (or __index__) to a uintptr_t. */
+int nkv_ptr_addr(PyObject *obj, void *out);
+
 int nkv_fileio_exec(PyObject *module);   /* fileio.c: sync_file_range */
 int nkv_checksum_exec(PyObject *module); /* checksum.c: xxh3 over block rows */
 int nkv_copy_exec(PyObject *module);     /* copy.c: batched GIL-free copies */
 int nkv_uring_exec(PyObject *module);    /* uring.c: io_uring engine */
+int nkv_ptrs_exec(PyObject *module);     /* ptrs.c: copy_ptrs (raw addresses) */
+int nkv_device_exec(PyObject *module);   /* device.c: CUDA/ACL calls via dlopen */
 
 #endif

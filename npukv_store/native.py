@@ -9,12 +9,20 @@ stale build, with one warning.
                               checksums), without the GIL when native
     copy_runs()             - many byte runs between buffers in one call (ring
                               gathers and scatters), without the GIL when native
+    copy_ptrs()             - byte runs between raw addresses (the CPU device
+                              backend's copy_runs), without the GIL when native
+    cuda_memcpy_batch(), acl_memcpy_batch(), acl_host_register(),
+    acl_host_unregister(), cuda_get_last_error()
+                            - CUDA / Ascend runtime calls (dlopen) for
+                              npukv_store.device; native only: without the
+                              extension they raise OSError(ENOSYS)
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
 import sys
@@ -30,7 +38,7 @@ logger = logging.getLogger(__name__)
 #: anything with the buffer protocol (collections.abc.Buffer needs Python 3.12)
 BufferLike = Any
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
 _COPY_MAX_THREADS = 64  # native/copy.c NKV_COPY_MAX_THREADS
 
@@ -280,3 +288,147 @@ def copy_runs(
     if IMPL is not None and hasattr(IMPL, "copy_runs"):
         return int(IMPL.copy_runs(srcs, dsts, runs, threads=num_threads))
     return _TWIN.copy_runs(srcs, dsts, runs, num_threads)
+
+
+_LITTLE = sys.byteorder == "little"
+
+
+def _ptr_runs(fn: str, arrays: tuple[BufferLike, ...]) -> list[tuple[int, int, int]]:
+    """``(src, dst, size)`` rows of three int64 arrays, checked as native/ptrs.c
+    checks them."""
+    columns: list[list[int]] = []
+    for name, array in zip(("src_ptrs", "dst_ptrs", "sizes"), arrays, strict=True):
+        view = memoryview(array)
+        fmt = view.format
+        code = fmt[1:] if fmt[:1] in ("@", "=", "<" if _LITTLE else ">") else fmt
+        if (
+            view.itemsize != 8
+            or code not in ("q", "l")
+            or view.ndim != 1
+            or (not view.c_contiguous)
+        ):
+            raise ValueError(
+                f"{fn}: {name} has format '{fmt}', itemsize {view.itemsize} and "
+                f"{view.ndim} dimensions, expected a 1-D C-contiguous native int64 "
+                "array"
+            )
+        columns.append(view.tolist())
+        if len(columns[-1]) != len(columns[0]):
+            raise ValueError(
+                f"{fn}: {name} has {len(columns[-1])} entries and src_ptrs "
+                f"{len(columns[0])}, expected equal lengths"
+            )
+    total = 0
+    for index, (src, dst, size) in enumerate(zip(*columns, strict=True)):
+        if size < 0:
+            raise ValueError(f"{fn}: run {index} has size {size}, expected >= 0")
+        if size > 0 and (src <= 0 or dst <= 0):
+            raise ValueError(
+                f"{fn}: run {index} has src {src} and dst {dst}, expected non-zero "
+                f"addresses (> 0) for a run of {size} bytes"
+            )
+        total += size
+        if total > sys.maxsize:
+            raise ValueError(
+                f"{fn}: the sizes add up to more than {sys.maxsize}, expected at "
+                "most that"
+            )
+    return list(zip(*columns, strict=True))
+
+
+def copy_ptrs(
+    src_ptrs: BufferLike,
+    dst_ptrs: BufferLike,
+    sizes: BufferLike,
+    threads: int | None = None,
+) -> int:
+    """Copy ``sizes[i]`` bytes from address ``src_ptrs[i]`` to ``dst_ptrs[i]``.
+
+    The CPU device backend's ``copy_runs``. The arrays are 1-D native int64
+    (numpy) of one length; every run is checked first (size >= 0, non-zero
+    addresses), the addresses themselves cannot be: the caller guarantees that
+    each run lies in live memory it owns. Each run behaves as ``memmove``; as
+    for :func:`copy_runs`, runs of a threaded call must not overlap each other.
+    Native: GIL released from ``_GIL_MINSIZE`` bytes, threads from
+    ``_COPY_THREAD_MINSIZE``. Twin: one ``ctypes.memmove`` per run.
+
+    Returns:
+        The bytes copied.
+
+    Raises:
+        ValueError: an array not 1-D int64, lengths that differ, a negative
+            size or a zero address (then nothing is copied); ``threads`` not
+            in 0..64.
+    """
+    num_threads = 0 if threads is None else threads
+    if IMPL is not None:
+        return int(IMPL.copy_ptrs(src_ptrs, dst_ptrs, sizes, threads=num_threads))
+    if not 0 <= num_threads <= _COPY_MAX_THREADS:
+        raise ValueError(
+            f"copy_ptrs: threads is {num_threads}, expected 0 (default) to "
+            f"{_COPY_MAX_THREADS}"
+        )
+    total = 0
+    for src, dst, size in _ptr_runs("copy_ptrs", (src_ptrs, dst_ptrs, sizes)):
+        if size > 0:
+            ctypes.memmove(dst, src, size)
+            total += size
+    return total
+
+
+def _device_impl(fn: str) -> ModuleType:
+    if IMPL is None:
+        raise OSError(
+            errno.ENOSYS,
+            f"{fn}: needs the C extension npukv_store._native, which is not in "
+            "use (not built, stale, or NPUKV_NATIVE=0)",
+        )
+    return IMPL
+
+
+# Runtime calls for npukv_store.device (native/device.c). No twin: without the
+# extension each raises OSError(ENOSYS); a runtime library or symbol that is
+# missing raises OSError (ENOENT/ENOSYS) naming it. The batches take the int64
+# arrays of copy_ptrs, a kind (1 host to device, 2 device to host) and a raw
+# stream handle, enqueue one async copy per run, and return the bytes enqueued;
+# a failed call raises RuntimeError after the runs before it are enqueued.
+
+
+def cuda_memcpy_batch(
+    src_ptrs: BufferLike,
+    dst_ptrs: BufferLike,
+    sizes: BufferLike,
+    kind: int,
+    stream: int,
+) -> int:
+    """``cudaMemcpyAsync(dst, src, n, kind, stream)`` per run."""
+    impl = _device_impl("cuda_memcpy_batch")
+    return int(impl.cuda_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream))
+
+
+def acl_memcpy_batch(
+    src_ptrs: BufferLike,
+    dst_ptrs: BufferLike,
+    sizes: BufferLike,
+    kind: int,
+    stream: int,
+) -> int:
+    """``aclrtMemcpyAsync(dst, n, src, n, kind, stream)`` per run."""
+    impl = _device_impl("acl_memcpy_batch")
+    return int(impl.acl_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream))
+
+
+def acl_host_register(ptr: int, nbytes: int, flags: int) -> int:
+    """``aclrtHostRegisterV2(ptr, nbytes, flags)`` (else ``aclrtHostRegister``
+    MAPPED); the ACL error code, 0 on success."""
+    return int(_device_impl("acl_host_register").acl_host_register(ptr, nbytes, flags))
+
+
+def acl_host_unregister(ptr: int) -> int:
+    """``aclrtHostUnregister(ptr)``; the ACL error code."""
+    return int(_device_impl("acl_host_unregister").acl_host_unregister(ptr))
+
+
+def cuda_get_last_error() -> int:
+    """``cudaGetLastError()``: returns and clears the runtime's last error."""
+    return int(_device_impl("cuda_get_last_error").cuda_get_last_error())

@@ -1,0 +1,336 @@
+"""Device check on a CUDA machine via npukv_store.device (DEVICE.md §1.4, CUDA half).
+
+A 1 GiB staging ring (npukv_store.io.ring.StagingRing on /dev/shm) is registered in
+place with the backend. Two KV caches are built on the GPU, ``--layers`` layers
+each: Ascend-style ``(k, v)`` tuples of ``[B, N, H, D]`` and vLLM's fused
+``[B, H, N, 2D]``. For each, ``--blocks`` random blocks go D2H into ring rows and
+come back H2D into as many other blocks, along two paths:
+
+  batch     backend.copy_runs of the runs npukv_store.layout.build_runs computes
+            (vLLM's swap_blocks_batch if vLLM is loaded, else the C extension's
+            cudaMemcpyAsync loop)
+  per-page  one ``copy_(non_blocking=True)`` per page under stream_ctx: the
+            portable fallback and the baseline of the GB/s ratio
+
+Each pass follows the ordering protocol (npukv_store.device.ordering) behind a
+GPU sleep of ``--sleep-ms`` on the compute stream that then rewrites the source
+blocks (D2H) or zeroes the destination blocks (H2D): the byte checks fail if a
+copy overtakes the compute stream, and the host did not block if enqueueing
+returned well before the sleep ended (enqueue < half the sleep) while
+``done.synchronize()`` waited for it. Then ``--repeat`` timed passes per path give
+GB/s (CUDA events on the transfer stream; the median is reported).
+
+Run: ``python scripts/device_check.py [--json PATH] [--blocks 256] [--repeat 5]``;
+``--device cpu`` dry-runs the same steps on the CPU backend (no sleep, no
+blocking verdict). The C extension must be built (``python setup.py build_ext
+--inplace``). Exit 0: every check passed, or no CUDA device (said so); 1: a check
+failed; 2: the setup is incomplete (message says what).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MIB = 1 << 20
+
+
+@dataclass
+class Case:
+    layout: str
+    direction: str
+    path: str
+    bytes: int
+    runs: int
+    gbps: float = 0.0
+    enqueue_ms: float = 0.0
+    done_ms: float = 0.0
+    host_blocked: bool | None = None
+    bytes_ok: bool = False
+    ratio: float | None = None  # batch GB/s / per-page GB/s
+
+
+def make_caches(torch: Any, kind: str, args: argparse.Namespace, dev: Any) -> list:
+    """Per layer: a (k, v) tuple of [B, N, H, D] or one fused [B, H, N, 2D]."""
+    b, n, h, d = args.num_blocks, args.block_size, args.heads, args.head_dim
+    if kind == "tuple":
+        return [
+            tuple(
+                torch.empty(b, n, h, d, dtype=torch.bfloat16, device=dev) for _ in "kv"
+            )
+            for _ in range(args.layers)
+        ]
+    return [
+        torch.empty(b, h, n, 2 * d, dtype=torch.bfloat16, device=dev)
+        for _ in range(args.layers)
+    ]
+
+
+def block_bytes(torch: Any, layers: list) -> list:
+    """[num_blocks, page] uint8 views of every tensor, in page (segment) order."""
+    tensors = [t for kv in layers for t in (kv if isinstance(kv, tuple) else (kv,))]
+    return [t.view(torch.uint8).reshape(t.shape[0], -1) for t in tensors]
+
+
+class Check:
+    """One layout's buffers and runs, and the passes over them."""
+
+    def __init__(self, torch, backend, ordering, ring, layers, args, rng) -> None:
+        from npukv_store.layout import build_runs, describe_layer
+
+        self.torch, self.backend, self.ordering = torch, backend, ordering
+        self.args = args
+        self.pages = block_bytes(torch, layers)
+        layouts = [
+            describe_layer(f"l{i}", kv, args.num_blocks) for i, kv in enumerate(layers)
+        ]
+        assert all(lay is not None for lay in layouts)
+        assert sum(len(lay.segments) for lay in layouts) == len(self.pages), (
+            "one run/page"
+        )
+        self.page_sum = sum(lay.page_bytes for lay in layouts)
+        self.row = -(-self.page_sum // 4096) * 4096
+        if args.blocks * self.row > ring.size:
+            raise SystemExit(
+                f"setup: {args.blocks} rows of {self.row} B exceed the ring"
+            )
+        picks = rng.choice(args.num_blocks, 2 * args.blocks, replace=False)
+        self.src_blocks, self.dst_blocks = picks[: args.blocks], picks[args.blocks :]
+        self.slots = rng.permutation(args.blocks)
+        self.ring, self.base = ring, int(ring.data.ctypes.data)
+        self.ring_t = torch.from_numpy(ring.data)
+        self.d2h = build_runs(layouts, self.src_blocks, self.slots, self.base, self.row)
+        fwd = build_runs(layouts, self.dst_blocks, self.slots, self.base, self.row)
+        self.h2d = (fwd[1], fwd[0], fwd[2])
+        self.xfer = backend.new_stream()
+        dev = self.pages[0].device
+        self.src_idx = torch.as_tensor(self.src_blocks, device=dev)
+        self.dst_idx = torch.as_tensor(self.dst_blocks, device=dev)
+
+    def _compute_then(self, direction: str, sleep_cycles: int) -> None:
+        """Busy the compute stream, then rewrite sources / zero destinations."""
+        if sleep_cycles:
+            self.torch.cuda._sleep(sleep_cycles)
+        for page in self.pages:
+            if direction == "d2h":
+                shape = (len(self.src_idx), page.shape[1])
+                page[self.src_idx] = self.torch.randint(
+                    0, 256, shape, dtype=self.torch.uint8, device=page.device
+                )
+            else:
+                page[self.dst_idx] = 0
+
+    def _enqueue(self, direction: str, path: str) -> Any:
+        b, o = self.backend, self.ordering
+        if path == "batch" and direction == "d2h":
+            return o.d2h_after(b, o.record_written(b), self.xfer, *self.d2h)
+        if path == "batch":
+            return o.h2d_after(b, b.current_stream(), self.xfer, *self.h2d)
+        if direction == "d2h":
+            self.xfer.wait_event(o.record_written(b))
+        else:
+            self.xfer.wait_stream(b.current_stream())
+        with b.stream_ctx(self.xfer):
+            blocks = self.src_blocks if direction == "d2h" else self.dst_blocks
+            for block, slot in zip(blocks.tolist(), self.slots.tolist(), strict=True):
+                offset = slot * self.row
+                for page in self.pages:
+                    host = self.ring_t[offset : offset + page.shape[1]]
+                    if direction == "d2h":
+                        host.copy_(page[block], non_blocking=True)
+                    else:
+                        page[block].copy_(host, non_blocking=True)
+                    offset += page.shape[1]
+        done = b.new_event()
+        done.record(self.xfer)
+        return done
+
+    def bytes_ok(self, direction: str) -> bool:
+        if direction == "h2d":
+            return all(
+                self.torch.equal(p[self.dst_idx], p[self.src_idx]) for p in self.pages
+            )
+        expected = self.torch.cat([p[self.src_idx] for p in self.pages], dim=1).cpu()
+        rows = self.ring.data[: self.args.blocks * self.row].reshape(-1, self.row)
+        return bool(np.array_equal(rows[self.slots, : self.page_sum], expected.numpy()))
+
+    def run(self, direction: str, path: str, sleep_ms: float, cycles: int) -> Case:
+        runs = self.d2h if direction == "d2h" else self.h2d
+        case = Case("", direction, path, self.args.blocks * self.page_sum, len(runs[2]))
+        self.backend.synchronize()
+        self._compute_then(direction, cycles)
+        start = time.perf_counter()
+        done = self._enqueue(direction, path)
+        case.enqueue_ms = (time.perf_counter() - start) * 1e3
+        done.synchronize()
+        case.done_ms = (time.perf_counter() - start) * 1e3
+        case.bytes_ok = self.bytes_ok(direction)
+        if cycles:
+            case.host_blocked = case.enqueue_ms > sleep_ms / 2
+        case.gbps = self._bandwidth(direction, path)
+        return case
+
+    def _bandwidth(self, direction: str, path: str) -> float:
+        nbytes, rates = self.args.blocks * self.page_sum, []
+        for _ in range(self.args.repeat):
+            self.backend.synchronize()
+            start_ev = self.backend.new_event(timing=True)
+            end_ev = self.backend.new_event(timing=True)
+            start_ev.record(self.xfer)
+            t0 = time.perf_counter()
+            self._enqueue(direction, path)
+            end_ev.record(self.xfer)
+            end_ev.synchronize()
+            seconds = time.perf_counter() - t0
+            if hasattr(start_ev, "elapsed_ms"):
+                seconds = start_ev.elapsed_ms(end_ev) / 1e3
+            rates.append(nbytes / seconds / 1e9)
+        return statistics.median(rates)
+
+
+def sleep_cycles(torch: Any, backend: Any, sleep_ms: float) -> int:
+    """torch.cuda._sleep cycles lasting about ``sleep_ms`` (0: no sleep here)."""
+    if backend.kind != "cuda" or not hasattr(torch.cuda, "_sleep") or sleep_ms <= 0:
+        return 0
+    probe = 20_000_000
+    start, end = backend.new_event(timing=True), backend.new_event(timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * sleep_ms / max(start.elapsed_ms(end), 1e-3))
+
+
+def open_ring(size: int, directory: str) -> Any:
+    from npukv_store.errors import ConfigError
+    from npukv_store.io.ring import StagingRing
+
+    try:
+        return StagingRing(size, directory=directory)
+    except ConfigError as exc:  # a container's /dev/shm is often 64 MiB
+        print(f"note: {exc}; using {tempfile.gettempdir()} instead")
+        return StagingRing(size, directory=tempfile.gettempdir())
+
+
+def print_table(cases: list[Case]) -> None:
+    head = ("layout", "dir", "path", "MiB", "runs", "GB/s", "x page", "enq ms",
+            "done ms", "blocked", "bytes")  # fmt: skip
+    print(
+        ("{:<10} {:<4} {:<8} {:>6} {:>5} {:>7} {:>6} {:>7} {:>8} {:>7} {:>5}").format(
+            *head
+        )
+    )
+    for c in cases:
+        ratio = f"{c.ratio:.2f}" if c.ratio is not None else "-"
+        blocked = "n/a" if c.host_blocked is None else str(c.host_blocked).lower()
+        print(
+            f"{c.layout:<10} {c.direction:<4} {c.path:<8} {c.bytes / MIB:>6.0f} "
+            f"{c.runs:>5} {c.gbps:>7.2f} {ratio:>6} {c.enqueue_ms:>7.2f} "
+            f"{c.done_ms:>8.2f} {blocked:>7} {'ok' if c.bytes_ok else 'BAD':>5}"
+        )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--blocks", type=int, default=256, help="blocks moved per pass")
+    parser.add_argument("--num-blocks", type=int, default=1024, help="blocks per cache")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per block")
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeat", type=int, default=5, help="timed passes per case")
+    parser.add_argument("--sleep-ms", type=float, default=200.0)
+    parser.add_argument("--ring-gib", type=float, default=1.0)
+    parser.add_argument("--ring-dir", default="/dev/shm")
+    return parser.parse_args(argv)
+
+
+def write_json(path: Path | None, result: dict[str, Any]) -> None:
+    if path is not None:
+        path.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device (torch.cuda.is_available() is False): nothing to check")
+        write_json(args.json, {"status": "no-cuda", "torch": torch.__version__})
+        return 0
+    try:
+        from npukv_store import native
+        from npukv_store.device import get_backend, ordering
+    except ImportError as exc:
+        print(f"setup: cannot import npukv_store ({exc}); install its dependencies")
+        return 2
+    if not native.IS_NATIVE and "vllm._custom_ops" not in sys.modules:
+        print("setup: the C extension is not in use; build it first:")
+        print("    python setup.py build_ext --inplace")
+        return 2
+    backend = get_backend(args.device)
+    backend.bind_thread()
+    ring = open_ring(int(args.ring_gib * (1 << 30)), args.ring_dir)
+    region = backend.register_host(int(ring.data.ctypes.data), ring.size)
+    region_registered = region.registered
+    result: dict[str, Any] = {
+        "status": "ok",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "native": native.IS_NATIVE,
+        "ring": {"bytes": ring.size, "path": ring.path, "registered": region.registered,
+                 "is_pinned": backend.is_host_registered(torch.from_numpy(ring.data))},
+        "args": vars(args) | {"json": str(args.json)},
+    }  # fmt: skip
+    print(
+        f"device {result['device']}, torch {torch.__version__}, ring {result['ring']}"
+    )
+    cycles = sleep_cycles(torch, backend, args.sleep_ms)
+    cases: list[Case] = []
+    try:
+        for kind in ("tuple", "fused"):
+            layers = make_caches(torch, kind, args, backend.device)
+            rng = np.random.default_rng(len(cases))
+            check = Check(torch, backend, ordering, ring, layers, args, rng)
+            for direction in ("d2h", "h2d"):
+                pair = [
+                    check.run(direction, p, args.sleep_ms, cycles)
+                    for p in ("per-page", "batch")
+                ]
+                pair[1].ratio = pair[1].gbps / pair[0].gbps
+                for case in pair:
+                    case.layout = kind
+                cases += pair
+            del check, layers
+    finally:
+        region.close()
+        ring.close()
+    print_table(cases)
+    failed = [f"{c.layout} {c.direction} {c.path}" for c in cases if not c.bytes_ok]
+    failed += [
+        f"{c.layout} {c.direction} {c.path} blocked" for c in cases if c.host_blocked
+    ]
+    if args.device == "cuda" and not region_registered:
+        failed.append("cudaHostRegister of the ring (see the warning above)")
+    if failed:
+        result["status"] = "failed"
+        print(f"FAILED: {', '.join(failed)}")
+    result["failed"] = failed
+    result["cases"] = [asdict(c) for c in cases]
+    write_json(args.json, result)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
