@@ -1,0 +1,200 @@
+"""NPUKVStoreConnector: vLLM's KVConnectorBase_V1 over the npukv_store.
+
+Runs in: EngineCore (role SCHEDULER) and every Worker (role WORKER); vLLM makes
+one object per role and process. Loaded with
+``kv_connector_module_path="npukv_store.connector"``, no change to vLLM.
+
+This class only adapts vLLM's calls to :class:`SchedulerSide` and
+:class:`WorkerSide` and keeps every fault inside: a failing hook logs and
+degrades to "miss" / "not saved", it never raises into the serving process.
+Configuration errors are the exception: they stop start-up with one message.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from npukv_store.config import StoreConfig
+from npukv_store.connector.metadata import NPUKVMetadata, NPUKVWorkerMetadata
+from npukv_store.connector.scheduler import SchedulerSide
+from npukv_store.connector.stats import NPUKVStats
+from npukv_store.connector.worker import WorkerSide
+
+logger = logging.getLogger(__name__)
+
+
+def _log_where_vllm_logs() -> None:
+    """Our loggers ("npukv_store.*") use vLLM's handlers and level, so the
+    operator finds our lines in the server's log, in its format."""
+    ours = logging.getLogger("npukv_store")
+    vllm_logger = logging.getLogger("vllm")
+    if ours.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(vllm_logger.level or logging.INFO)
+    ours.propagate = False
+
+
+class NPUKVStoreConnector(KVConnectorBase_V1):
+    """A crash-safe local NVMe KV tier shared by every process of a node."""
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _log_where_vllm_logs()
+        transfer = vllm_config.kv_transfer_config
+        self.settings = StoreConfig.from_extra_config(
+            dict(transfer.kv_connector_extra_config or {})
+        )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if transfer.kv_load_failure_policy != "recompute":
+                # A cache must never fail a request: a block that cannot be
+                # loaded is recomputed. The scheduler reads this after us.
+                logger.info(
+                    "npukv_store: kv_load_failure_policy %r -> 'recompute'",
+                    transfer.kv_load_failure_policy,
+                )
+                transfer.kv_load_failure_policy = "recompute"
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self.settings)
+        else:
+            self._worker = WorkerSide(vllm_config, kv_cache_config, self.settings)
+
+    # -- properties vLLM asks ---------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a preempted request just recomputes
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layerwise hooks run in Python, so full graphs would skip them."""
+        return str(extra_config.get("layerwise", "auto")).lower() in ("on", "auto")
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> NPUKVStats | None:
+        return NPUKVStats.from_dict(data)
+
+    # -- worker side ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, NPUKVMetadata):
+            self._worker.bind(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None:
+            _guard(self._worker.fence, "handle_preemptions")
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None:
+            _guard(self._worker.start_load, "start_load_kv")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            _guard(self._worker.wait_layer, "wait_for_layer_load", layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        if self._worker is not None:
+            _guard(self._worker.save_layer, "save_kv_layer", layer_name)
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None:
+            _guard(self._worker.finish_step, "wait_for_save")
+
+    def get_finished(
+        self, finished_req_ids: set[str]
+    ) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        try:
+            return self._worker.finished_sending(), None
+        except Exception:
+            logger.exception("npukv_store: get_finished failed")
+            return set(self._worker._meta.held_req_ids) or None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> NPUKVStats | None:
+        side = self._worker or self._scheduler
+        return side.take_stats() if side is not None else None
+
+    def build_connector_worker_meta(self) -> NPUKVWorkerMetadata | None:
+        if self._worker is not None and self._worker.disabled_reason:
+            return NPUKVWorkerMetadata(self._worker.disabled_reason)
+        return None
+
+    def shutdown(self) -> None:
+        side = self._worker or self._scheduler
+        if side is not None:
+            _guard(side.close, "shutdown")
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.match(request, num_computed_tokens), False
+
+    def update_state_after_alloc(
+        self, request: Any, blocks: Any, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        try:
+            (block_ids,) = blocks.get_block_ids()
+            self._scheduler.allocated(request, block_ids, num_external_tokens)
+        except Exception:
+            logger.exception("npukv_store: update_state_after_alloc failed")
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        self._scheduler.kv_cache_manager = self._kv_cache_manager
+        try:
+            return self._scheduler.build_meta(scheduler_output)
+        except Exception:
+            logger.exception("npukv_store: build_connector_meta failed")
+            return NPUKVMetadata()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        reason = getattr(meta, "disabled_reason", "")
+        if reason and self._scheduler is not None:
+            self._scheduler.disable(f"a worker is off: {reason}")
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        try:
+            return self._scheduler.finished(request), None
+        except Exception:
+            logger.exception("npukv_store: request_finished failed")
+            return False, None
+
+
+def _guard(fn: Any, hook: str, *args: Any) -> None:
+    """Run a worker hook; a fault is logged, never raised into vLLM."""
+    try:
+        fn(*args)
+    except Exception:
+        logger.exception("npukv_store: %s failed", hook)

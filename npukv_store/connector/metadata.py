@@ -1,0 +1,67 @@
+"""What the scheduler-side connector tells the workers each step, and back.
+
+Runs in: built in the EngineCore process, pickled to every Worker process.
+
+Keys travel per TP rank as one ``bytes`` of concatenated 16-byte keys: the
+metadata is pickled every step, and a flat blob costs far less than a list of
+small bytes objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from npukv_store.hashing import KEY_BYTES
+
+
+def pack_keys(keys: list[bytes]) -> bytes:
+    return b"".join(keys)
+
+
+def unpack_keys(blob: bytes) -> list[bytes]:
+    return [blob[i : i + KEY_BYTES] for i in range(0, len(blob), KEY_BYTES)]
+
+
+@dataclass(slots=True)
+class BlockTransfer:
+    """Blocks of one request to load or save: ``block_ids[i]`` holds the block
+    keyed ``keys_by_rank[rank][i]``."""
+
+    req_id: str
+    block_ids: list[int]
+    keys_by_rank: list[bytes]  # per TP rank (one entry when rank-independent)
+
+    def keys(self, rank: int) -> list[bytes]:
+        blob = self.keys_by_rank[rank if len(self.keys_by_rank) > 1 else 0]
+        return unpack_keys(blob)
+
+
+@dataclass
+class NPUKVMetadata(KVConnectorMetadata):
+    """One step's work: loads before/while the forward runs, saves after."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+    #: requests that finished and whose blocks the scheduler keeps allocated
+    #: until the workers report them (get_finished) after their saves' copies
+    held_req_ids: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves or self.held_req_ids)
+
+
+@dataclass
+class NPUKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: whether any worker turned itself off (a layout it
+    cannot copy), so the scheduler stops promising hits."""
+
+    disabled_reason: str = ""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> NPUKVWorkerMetadata:
+        reason = getattr(other, "disabled_reason", "")
+        return NPUKVWorkerMetadata(self.disabled_reason or reason)

@@ -1,0 +1,71 @@
+"""The connector's per-step statistics, in vLLM's KVConnectorStats shape.
+
+Runs in: Worker and EngineCore processes (collected per step), the logger
+process (aggregated and reduced by vLLM's KVConnectorLogging).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+#: every counter this connector reports; all are sums over steps and workers
+COUNTERS = (
+    "lookup_tokens",
+    "hit_tokens",
+    "loaded_blocks",
+    "loaded_bytes",
+    "load_seconds",
+    "load_errors",
+    "saved_blocks",
+    "saved_bytes",
+    "save_seconds",
+    "skipped_blocks",
+    "dropped_blocks",
+)
+
+
+@dataclass
+class NPUKVStats(KVConnectorStats):
+    """Counters summed over steps and workers; ``reduce`` adds rates."""
+
+    def __post_init__(self) -> None:
+        for key in COUNTERS:
+            self.data.setdefault(key, 0)
+
+    def add(self, **counts: float) -> None:
+        for key, value in counts.items():
+            self.data[key] += value
+
+    def reset(self) -> None:
+        self.data = {key: 0 for key in COUNTERS}
+
+    def aggregate(self, other: KVConnectorStats) -> NPUKVStats:
+        for key in COUNTERS:
+            self.data[key] += other.data.get(key, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        data = self.data
+        out: dict[str, int | float] = {k: data[k] for k in COUNTERS}
+        out["load_GBps"] = _rate(data["loaded_bytes"], data["load_seconds"])
+        out["save_GBps"] = _rate(data["saved_bytes"], data["save_seconds"])
+        lookups = data["lookup_tokens"]
+        out["hit_rate"] = round(data["hit_tokens"] / lookups, 4) if lookups else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key) for key in COUNTERS)
+
+    def copy(self) -> NPUKVStats:
+        return NPUKVStats(dict(self.data))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> NPUKVStats:
+        return cls(dict(data or {}))
+
+
+def _rate(nbytes: float, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0

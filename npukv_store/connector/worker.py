@@ -1,0 +1,532 @@
+"""The worker half of the connector: device copies between KV pages and the store.
+
+Runs in: every vLLM Worker process (one per TP rank). The hooks run on the
+forward thread; layer reads run on one loader thread; chunk writes on the
+store's writer thread.
+
+    register()     - describe each layer's byte runs, open the store, register
+                     the staging ring with the device
+    save_layer()   - layerwise: this layer's blocks -> the ring (async D2H)
+    finish_step()  - bulk saves, hand the batch to the writer, collect load errors
+    start_load()   - layerwise: start the loader; bulk: load every layer now
+    wait_layer()   - the compute stream waits for this layer's H2D copy
+
+Modes (``layerwise``): ``on`` saves and loads in the layer hooks; ``off`` does
+everything in start_load_kv / wait_for_save; ``auto`` runs as ``off`` until it
+has seen both hooks fire for every layer in one step, then as ``on``. If a
+layer's load hook is ever skipped while a load is pending, the blocks loaded in
+that step are reported as load errors (vLLM recomputes them) and the worker
+falls back to ``off``: attention may have read them before they arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from npukv_store.config import StoreConfig
+from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata
+from npukv_store.connector.namespace import PAGE_PART, engine_namespaces
+from npukv_store.connector.stats import NPUKVStats
+from npukv_store.errors import ConfigError
+from npukv_store.layout import LayerLayout, LayoutError, build_runs, describe_layer
+from npukv_store.store.format import MAX_CHUNK_BLOCKS
+from npukv_store.store.store import KVStore, StagedSave
+
+logger = logging.getLogger(__name__)
+
+_LOG_INTERVAL_S = 30.0
+_HOST_ALIGN = 4096
+
+
+@dataclass
+class _LoadJob:
+    """One step's loads, all requests together."""
+
+    keys: list[bytes]
+    block_ids: list[int]
+    ready: Any  # event on the compute stream: destinations may be written
+    done: list[Any]  # per layer: the H2D copy's event, None until issued
+    waited: list[bool]
+    errors: set[int] = field(default_factory=set)
+    finished: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+class _HostSlot:
+    """A grow-only, device-registered host buffer that one layer is read into."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self._raw = np.empty(0, dtype=np.uint8)
+        self.view = self._raw
+        self._region: Any = None
+        self.done: Any = None  # the H2D copy still reading this slot
+
+    def ensure(self, nbytes: int) -> np.ndarray:
+        if self.view.size < nbytes:
+            self.close()
+            self._raw = np.empty(nbytes + _HOST_ALIGN, dtype=np.uint8)
+            skip = -self._raw.ctypes.data % _HOST_ALIGN
+            self.view = self._raw[skip : skip + nbytes]
+            self._region = self._backend.register_host(self.view.ctypes.data, nbytes)
+        return self.view[:nbytes]
+
+    def close(self) -> None:
+        if self._region is not None:
+            self._region.close()
+            self._region = None
+
+
+class WorkerSide:
+    """Per-worker data path; see the module docstring."""
+
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, settings: StoreConfig
+    ) -> None:
+        self.settings = settings
+        self.kv_cache_config = kv_cache_config
+        specs = engine_namespaces(vllm_config, kv_cache_config, settings)
+        self.rank = 0 if len(specs) == 1 else _tp_rank()
+        self.spec = specs[self.rank]
+        self.layerwise = settings.layerwise == "on"
+        self._observe_hooks = settings.layerwise == "auto"
+        self.disabled_reason = ""
+        self.store: KVStore | None = None
+        self.backend: Any = None
+        self.layouts: list[LayerLayout] = []
+        self.layer_index: dict[str, int] = {}
+        self.stats = NPUKVStats()
+        self.totals = NPUKVStats()
+        self._last_log = time.monotonic()
+        self._meta = NPUKVMetadata()
+        self._staged: list[tuple[StagedSave, list[int]]] = []
+        self._filled: list[bool] = []
+        self._save_planned = False
+        self._save_started = 0.0
+        self._last_save_event: Any = None
+        self._load: _LoadJob | None = None
+        self._load_errors: set[int] = set()
+        self._hooks_seen: set[str] = set()
+        self._loads_seen: set[str] = set()
+        self._warned: set[str] = set()
+        self._slots: list[_HostSlot] = []
+        self._loader: threading.Thread | None = None
+        self._loader_jobs: list[_LoadJob] = []
+        self._loader_cond = threading.Condition()
+        self._closing = False
+
+    # -- registration -------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        try:
+            self._register(kv_caches)
+        except (ConfigError, LayoutError) as exc:
+            self.disable(str(exc))
+        except Exception as exc:
+            logger.exception("npukv_store: registration failed")
+            self.disable(f"registration failed: {exc!r}")
+
+    def _register(self, kv_caches: dict[str, Any]) -> None:
+        from npukv_store.device import get_backend
+
+        device = _first_tensor(kv_caches).device
+        self.backend = get_backend(device)
+        npu_format = None
+        if device.type == "npu":  # NZ private format must be refused
+            import torch_npu  # type: ignore[import-not-found]
+
+            npu_format = torch_npu.get_npu_format
+        num_blocks = int(self.kv_cache_config.num_blocks)
+        for index, layer in enumerate(self.spec.layers):
+            if layer.name not in kv_caches:
+                raise ConfigError(
+                    f"layer {layer.name!r}: in the KV cache config but not among the "
+                    f"{len(kv_caches)} registered KV caches"
+                )
+            layout = describe_layer(
+                layer.name, kv_caches[layer.name], num_blocks, npu_format=npu_format
+            )
+            if layout is None or layout.page_bytes != layer.row_bytes:
+                found = "nothing" if layout is None else f"{layout.page_bytes} bytes"
+                raise LayoutError(
+                    f"layer {layer.name!r}: block page of {found}, expected "
+                    f"{layer.row_bytes} bytes (the KV cache spec's page size)"
+                )
+            self.layouts.append(layout)
+            self.layer_index[layer.name] = index
+        self.store = KVStore(self.settings, self.spec)
+        self.store.prepare_async()
+        ring = self.store.ring_buffer()
+        self._ring_region = self.backend.register_host(ring.ctypes.data, ring.nbytes)
+        self.xfer = self.backend.new_stream()
+        self._slots = [
+            _HostSlot(self.backend) for _ in range(self.settings.prefetch_depth)
+        ]
+        logger.info(
+            "npukv_store: worker rank %d ready: %d layers, %s, %d B per block, "
+            "namespace %s, layerwise=%s, ring registered=%s",
+            self.rank, len(self.layouts), self.layouts[0].kind,
+            self.spec.block_bytes, self.store.namespace[:12],
+            self.settings.layerwise, self._ring_region.registered,
+        )  # fmt: skip
+
+    def disable(self, reason: str) -> None:
+        if not self.disabled_reason:
+            self.disabled_reason = reason
+            logger.error(
+                "npukv_store: the connector is off on this worker, vLLM serves "
+                "without it: %s",
+                reason,
+            )
+
+    # -- per step -------------------------------------------------------------------
+
+    def bind(self, meta: NPUKVMetadata) -> None:
+        self._meta = meta
+        self._save_planned = bool(meta.saves) and self.store is not None
+        self._staged = []
+        self._filled = [False] * len(self.layouts)
+        self._hooks_seen.clear()
+        self._loads_seen.clear()
+
+    def save_layer(self, layer_name: str) -> None:
+        if self._observe_hooks:
+            self._hooks_seen.add(layer_name)
+        if not (self.layerwise and self._save_planned) or self.disabled_reason:
+            return
+        index = self.layer_index.get(layer_name)
+        if index is None or self._filled[index]:
+            return  # another kind of layer (e.g. linear attention's "" hook)
+        try:
+            self._begin_save()
+            self._copy_layer_out(index)
+        except Exception:
+            self._fail_save("layerwise save")
+
+    def _begin_save(self) -> None:
+        """Claim this step's blocks and reserve their ring regions (once)."""
+        if self._staged or not self._save_planned:
+            return
+        assert self.store is not None
+        self._save_started = time.perf_counter()
+        keys, block_ids = _concat(self._meta.saves, self.rank)
+        per_chunk = max(
+            1,
+            min(
+                MAX_CHUNK_BLOCKS,
+                self.settings.chunk_target_size // self.spec.block_bytes,
+            ),
+        )
+        for start in range(0, len(keys), per_chunk):
+            staged = self.store.begin_save(keys[start : start + per_chunk])
+            if staged is not None:
+                ids = [block_ids[start + i] for i in staged.indices]
+                self._staged.append((staged, ids))
+        if not self._staged:
+            self._save_planned = False  # all stored, in flight or dropped
+
+    def _copy_layer_out(self, index: int) -> None:
+        """D2H of layer ``index``'s blocks into every staged batch, ordered
+        after the compute stream's work so far (the layer's KV is written)."""
+        layout = self.layouts[index]
+        written = self.backend.new_event()
+        written.record(self.backend.current_stream())
+        self.xfer.wait_event(written)
+        for staged, block_ids in self._staged:
+            src, dst, sizes = build_runs(
+                [layout], block_ids, range(len(block_ids)),
+                staged.layer_address(index), layout.page_bytes,
+            )  # fmt: skip
+            with self.backend.stream_ctx(self.xfer):
+                self.backend.copy_runs(src, dst, sizes, "d2h", self.xfer)
+        self._filled[index] = True
+
+    def _fail_save(self, what: str) -> None:
+        self._warn_once(what, f"{what} failed; this step's blocks are not saved")
+        assert self.store is not None
+        for staged, _ in self._staged:
+            self.store.abort_save(staged)
+        self._staged = []
+        self._save_planned = False
+
+    def finish_step(self) -> None:
+        """wait_for_save: copy what the hooks did not, queue the saves, and
+        settle this step's loads. Never waits for the disk."""
+        if self._observe_hooks:
+            self._learn_hooks()
+        if self._save_planned and not self.disabled_reason:
+            try:
+                self._begin_save()
+                for index, filled in enumerate(self._filled):
+                    if not filled and self._staged:
+                        self._copy_layer_out(index)
+                self._commit_saves()
+            except Exception:
+                self._fail_save("save")
+        self._save_planned = False
+        if self._load is not None:
+            self._settle_load(self._load)
+            self._load = None
+        self._maybe_log()
+
+    def _commit_saves(self) -> None:
+        if not self._staged:
+            return
+        assert self.store is not None
+        done = self.backend.new_event()
+        done.record(self.xfer)
+        blocks = 0
+        for staged, _ in self._staged:
+            self.store.commit_save(staged, done)
+            blocks += len(staged.keys)
+        self._staged = []
+        self._last_save_event = done
+        self.stats.add(
+            saved_blocks=blocks,
+            saved_bytes=blocks * self.spec.block_bytes,
+            save_seconds=time.perf_counter() - self._save_started,
+        )
+
+    def _learn_hooks(self) -> None:
+        """auto: switch to layerwise once both hooks fired for every layer."""
+        names = self.layer_index.keys()
+        if names and all(
+            n in self._hooks_seen and n in self._loads_seen for n in names
+        ):
+            self.layerwise = True
+            self._observe_hooks = False
+            logger.info("npukv_store: layer hooks fire for every layer: layerwise on")
+
+    def fence(self) -> None:
+        """handle_preemptions / held requests: the D2H copies out of blocks
+        about to be reused must be complete."""
+        if self._last_save_event is not None:
+            self._last_save_event.synchronize()
+            self._last_save_event = None
+
+    def finished_sending(self) -> set[str] | None:
+        held = self._meta.held_req_ids
+        if not held:
+            return None
+        self.fence()
+        return set(held)
+
+    # -- loads ----------------------------------------------------------------------
+
+    def start_load(self) -> None:
+        loads = self._meta.loads
+        if not loads:
+            return
+        keys, block_ids = _concat(loads, self.rank)
+        if self.disabled_reason or self.store is None:
+            self._load_errors.update(block_ids)
+            return
+        try:
+            ready = self.backend.new_event()
+            ready.record(self.backend.current_stream())
+            job = _LoadJob(
+                keys, block_ids, ready,
+                [None] * len(self.layouts), [False] * len(self.layouts),
+            )  # fmt: skip
+            if self.layerwise:
+                self._submit_to_loader(job)
+                self._load = job
+            else:
+                try:
+                    self._run_load(job)
+                finally:
+                    job.finished = True
+                for done in job.done:
+                    if done is not None:
+                        self.backend.current_stream().wait_event(done)
+                self._settle_load(job)
+        except Exception:
+            self._warn_once("load", "load failed; its blocks are recomputed")
+            self._load_errors.update(block_ids)
+
+    def wait_layer(self, layer_name: str) -> None:
+        if self._observe_hooks:
+            self._loads_seen.add(layer_name)
+        job = self._load
+        if job is None:
+            return
+        index = self.layer_index.get(layer_name)
+        if index is None:
+            return
+        with job.cond:
+            job.cond.wait_for(lambda: job.done[index] is not None or job.finished)
+        done = job.done[index]
+        if done is not None:
+            self.backend.current_stream().wait_event(done)
+            job.waited[index] = True
+
+    def _settle_load(self, job: _LoadJob) -> None:
+        with job.cond:
+            job.cond.wait_for(lambda: job.finished)
+        if self.layerwise and not all(job.waited):
+            # attention ran on some layer before its blocks arrived
+            job.errors.update(job.block_ids)
+            self.layerwise = False
+            logger.warning(
+                "npukv_store: a layer's load hook was skipped; falling back to "
+                "layerwise=off (this step's loaded blocks are recomputed)"
+            )
+        for done in job.done:
+            if done is not None:
+                done.synchronize()  # H2D out of the host slots is complete
+        good = len(job.block_ids) - len(set(job.block_ids) & job.errors)
+        if job.errors:
+            logger.warning(
+                "npukv_store: %d of %d blocks failed to load (missing, evicted or "
+                "corrupt); vLLM recomputes them",
+                len(job.errors), len(job.block_ids),
+            )  # fmt: skip
+        self._load_errors.update(job.errors)
+        self.stats.add(
+            loaded_blocks=good,
+            loaded_bytes=good * self.spec.block_bytes,
+            load_seconds=time.perf_counter() - job.started,
+            load_errors=len(job.errors),
+        )
+
+    def _submit_to_loader(self, job: _LoadJob) -> None:
+        if self._loader is None:
+            self._loader = threading.Thread(
+                target=self._loader_main, name="npukv-loader", daemon=True
+            )
+            self._loader.start()
+        with self._loader_cond:
+            self._loader_jobs.append(job)
+            self._loader_cond.notify()
+
+    def _loader_main(self) -> None:
+        self.backend.bind_thread()
+        while True:
+            with self._loader_cond:
+                self._loader_cond.wait_for(lambda: self._loader_jobs or self._closing)
+                if not self._loader_jobs:
+                    return
+                job = self._loader_jobs.pop(0)
+            try:
+                self._run_load(job)
+            except Exception:
+                self._warn_once("loader", "layer load failed; blocks are recomputed")
+                job.errors.update(job.block_ids)
+            finally:
+                with job.cond:
+                    job.finished = True
+                    job.cond.notify_all()
+
+    def _run_load(self, job: _LoadJob) -> None:
+        """Read each layer into a host slot and copy it to the device, layer by
+        layer; a slot is reused once its previous H2D copy completed."""
+        assert self.store is not None
+        self.xfer.wait_event(job.ready)  # destinations may still be zeroed
+        count = len(job.keys)
+        for index, layout in enumerate(self.layouts):
+            slot = self._slots[index % len(self._slots)]
+            if slot.done is not None:
+                slot.done.synchronize()
+            host = slot.ensure(count * layout.page_bytes)
+            name = f"{self.spec.layers[index].name}.{PAGE_PART}"
+            ok = self.store.read(job.keys, {name: host.reshape(count, -1)})
+            rows = [i for i in range(count) if ok[i]]
+            job.errors.update(job.block_ids[i] for i in range(count) if not ok[i])
+            done = self.backend.new_event()
+            if rows:
+                dev, hst, sizes = build_runs(
+                    [layout], [job.block_ids[i] for i in rows], rows,
+                    host.ctypes.data, layout.page_bytes,
+                )  # fmt: skip
+                with self.backend.stream_ctx(self.xfer):
+                    self.backend.copy_runs(hst, dev, sizes, "h2d", self.xfer)
+            done.record(self.xfer)
+            slot.done = done
+            with job.cond:
+                job.done[index] = done
+                job.cond.notify_all()
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- stats and shutdown ---------------------------------------------------------
+
+    def take_stats(self) -> NPUKVStats | None:
+        stats = self.stats
+        if self.store is not None:
+            counters = self.store.counters.snapshot()
+            dropped = counters.get("dropped_blocks", 0)
+            stats.add(dropped_blocks=dropped - self.totals.data["dropped_blocks"])
+        if stats.is_empty():
+            return None
+        self.totals.aggregate(stats)
+        self.stats = NPUKVStats()
+        return stats
+
+    def _maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < _LOG_INTERVAL_S:
+            return
+        self._last_log = now
+        totals = self.totals.copy().aggregate(self.stats).reduce()
+        logger.info(
+            "npukv_store rank %d: loaded %d blocks (%.2f GB/s), saved %d blocks, "
+            "dropped %d, load errors %d",
+            self.rank, totals["loaded_blocks"], totals["load_GBps"],
+            totals["saved_blocks"], totals["dropped_blocks"], totals["load_errors"],
+        )  # fmt: skip
+
+    def close(self) -> None:
+        with self._loader_cond:
+            self._closing = True
+            self._loader_cond.notify_all()
+        if self._loader is not None:
+            self._loader.join(timeout=10)
+        if self.store is not None:
+            self.fence()  # no device copy uses the ring or the slots any more
+        for slot in self._slots:
+            slot.close()
+        region = getattr(self, "_ring_region", None)
+        if region is not None:
+            region.close()
+        if self.store is not None:
+            self.store.close()  # drains the writer, then unlinks the ring
+            self.store = None
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            logger.warning("npukv_store: %s", message, exc_info=True)
+
+
+def _concat(transfers: list[BlockTransfer], rank: int) -> tuple[list[bytes], list[int]]:
+    keys: list[bytes] = []
+    block_ids: list[int] = []
+    for transfer in transfers:
+        keys += transfer.keys(rank)
+        block_ids += transfer.block_ids
+    return keys, block_ids
+
+
+def _first_tensor(kv_caches: dict[str, Any]) -> Any:
+    for value in kv_caches.values():
+        if isinstance(value, list | tuple):
+            if value:
+                return value[0]
+        else:
+            return value
+    raise ConfigError("register_kv_caches: found no tensors, expected KV caches")
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())

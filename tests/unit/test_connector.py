@@ -1,0 +1,285 @@
+"""The connector's two halves without a running engine: vLLM's config objects
+and requests are stand-ins with the attributes the connector reads, the KV
+caches are CPU tensors laid out as vLLM's CPU backend lays them out.
+
+The real-vLLM runs are in tests/e2e; these cover what a CPU engine cannot run
+(TP > 1, MLA) and the worker's data path step by step.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm", reason="the connector needs vLLM (pip install .[vllm])")
+
+from npukv_store import ConfigError, KVStore, StoreConfig  # noqa: E402
+from npukv_store.connector.connector import NPUKVStoreConnector  # noqa: E402
+from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata  # noqa: E402
+from npukv_store.connector.scheduler import SchedulerSide  # noqa: E402
+from npukv_store.connector.worker import WorkerSide  # noqa: E402
+
+BLOCK = 16
+HEADS, HEAD_DIM = 2, 8
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+NUM_BLOCKS = 32
+PAGE = HEADS * BLOCK * 2 * HEAD_DIM * 4  # fused K|V, fp32
+
+
+def engine_config(*, tp: int = 1, mla: bool = False, extra: dict | None = None):
+    transfer = SimpleNamespace(
+        kv_connector_extra_config=extra or {},
+        kv_load_failure_policy="fail",
+        is_kv_producer=True,
+    )
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1, tensor_parallel_size=tp
+        ),
+        model_config=SimpleNamespace(model="tiny-llama", revision=None, use_mla=mla),
+        kv_transfer_config=transfer,
+    )
+    spec = SimpleNamespace(page_size_bytes=PAGE, block_size=BLOCK, dtype=torch.float32)
+    kv_cache_config = SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(layer_names=LAYERS, kv_cache_spec=spec)],
+        kv_cache_layout="LBHNC",
+        num_blocks=NUM_BLOCKS,
+    )
+    return vllm_config, kv_cache_config
+
+
+def make_request(req_id: str, tokens: list[int], salt: str | None = None):
+    return SimpleNamespace(
+        request_id=req_id,
+        all_token_ids=list(tokens),
+        prompt_token_ids=list(tokens),
+        num_tokens=len(tokens),
+        num_prompt_tokens=len(tokens),
+        num_computed_tokens=0,
+        lora_request=None,
+        mm_features=[],
+        cache_salt=salt,
+        prompt_embeds=None,
+    )
+
+
+def settings(tmp_path, **kw) -> StoreConfig:
+    return StoreConfig(cache_dir=str(tmp_path / "cache"), ring_size="8MiB", **kw)
+
+
+def cpu_caches(seed: int) -> dict[str, torch.Tensor]:
+    """One shared buffer, per-layer [B, H, N, 2D] views (vLLM's CPU layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    numel = NUM_BLOCKS * HEADS * BLOCK * 2 * HEAD_DIM
+    shared = torch.randn(len(LAYERS) * numel, generator=gen)
+    return {
+        name: shared[i * numel : (i + 1) * numel].view(
+            NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM
+        )
+        for i, name in enumerate(LAYERS)
+    }
+
+
+def put_blocks(cfg: StoreConfig, spec, keys: list[bytes]) -> None:
+    with KVStore(cfg, spec) as store:
+        rows = {
+            f"{layer.name}.page": np.zeros((len(keys), PAGE), np.uint8)
+            for layer in spec.layers
+        }
+        store.put(keys, rows)
+
+
+# -- scheduler side -------------------------------------------------------------
+
+
+def test_tp_hit_needs_every_rank(tmp_path):
+    cfg = settings(tmp_path)
+    side = SchedulerSide(*engine_config(tp=2), cfg)
+    tokens = list(range(5 * BLOCK + 3))
+    request = make_request("r", tokens)
+    assert side.match(request, 0) == 0
+    keys = side._keys(side._state(request), 5)
+    put_blocks(cfg, side.specs[0], keys[0])  # rank 0's parts only
+    assert side.match(request, 0) == 0
+    put_blocks(cfg, side.specs[1], keys[1][:3])  # rank 1 has the first 3
+    assert side.match(request, 0) == 3 * BLOCK
+    assert side.match(request, BLOCK) == 2 * BLOCK  # beyond the local hit
+    side.close()
+
+
+def test_mla_is_stored_once_for_all_ranks(tmp_path):
+    side = SchedulerSide(*engine_config(tp=4, mla=True), settings(tmp_path))
+    assert len(side.specs) == 1
+    assert side.specs[0].rank_independent
+    side.close()
+
+
+def test_never_claims_the_last_token_and_salt_changes_keys(tmp_path):
+    cfg = settings(tmp_path)
+    side = SchedulerSide(*engine_config(), cfg)
+    tokens = list(range(4 * BLOCK))  # exactly 4 full blocks
+    request = make_request("a", tokens)
+    (keys,) = side._keys(side._state(request), 4)
+    put_blocks(cfg, side.specs[0], keys)
+    assert side.match(request, 0) == 3 * BLOCK  # the last token is computed
+    salted = make_request("b", tokens, salt="tenant-2")
+    assert side.match(salted, 0) == 0
+    side.close()
+
+
+def test_plans_prompt_saves_once_and_holds_finished_requests(tmp_path):
+    side = SchedulerSide(*engine_config(), settings(tmp_path))
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([7, 3, 9, 4],))
+    request = make_request("r", list(range(3 * BLOCK + 5)))
+    assert side.match(request, 0) == 0
+    side.allocated(request, [7, 3, 9, 4], 0)
+    chunked = SimpleNamespace(num_scheduled_tokens={"r": 2 * BLOCK})
+    meta = side.build_meta(chunked)  # chunked prefill: 2 blocks full this step
+    assert [s.block_ids for s in meta.saves] == [[7, 3]]
+    request.num_computed_tokens = 2 * BLOCK
+    meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": BLOCK + 5}))
+    assert [s.block_ids for s in meta.saves] == [[9]]
+    meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 1}))
+    assert meta.saves == []  # decode: nothing new (save_decode is off)
+    assert side.finished(request) is True
+    assert side.build_meta(SimpleNamespace(num_scheduled_tokens={})).held_req_ids == [
+        "r"
+    ]
+    side.close()
+
+
+# -- worker side ------------------------------------------------------------------
+
+
+def worker_for(tmp_path, caches, **kw) -> WorkerSide:
+    worker = WorkerSide(*engine_config(), settings(tmp_path, **kw))
+    worker.register(caches)
+    assert worker.disabled_reason == ""
+    return worker
+
+
+def transfer(keys: list[bytes], block_ids: list[int]) -> BlockTransfer:
+    return BlockTransfer("r", block_ids, [b"".join(keys)])
+
+
+@pytest.mark.parametrize(("save_mode", "load_mode"), [("on", "off"), ("off", "on")])
+def test_worker_saves_and_loads_blocks_bit_exact(tmp_path, save_mode, load_mode):
+    source = cpu_caches(seed=1)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    src_ids, dst_ids = [3, 17, 4, 30, 9], [1, 2, 5, 6, 31]
+    saver = worker_for(tmp_path, source, layerwise=save_mode)
+    saver.bind(NPUKVMetadata(saves=[transfer(keys, src_ids)]))
+    for name in LAYERS:  # the layer hooks (a no-op in bulk mode)
+        saver.wait_layer(name)
+        saver.save_layer(name)
+    saver.finish_step()
+    assert saver.store is not None
+    assert saver.store.flush(timeout_s=30)
+    saver.close()
+
+    target = cpu_caches(seed=2)
+    before = {name: t.clone() for name, t in target.items()}
+    loader = worker_for(tmp_path, target, layerwise=load_mode, prefetch_depth=1)
+    loader.bind(NPUKVMetadata(loads=[transfer(keys, dst_ids)]))
+    loader.start_load()
+    for name in LAYERS:
+        loader.wait_layer(name)
+        loader.save_layer(name)
+    loader.finish_step()
+    assert loader.take_load_errors() == set()
+    for name in LAYERS:
+        torch.testing.assert_close(target[name][dst_ids], source[name][src_ids])
+        others = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
+        torch.testing.assert_close(target[name][others], before[name][others])
+    loader.close()
+
+
+def test_skipped_load_hook_reports_errors_and_falls_back(tmp_path, caplog):
+    source = cpu_caches(seed=3)
+    keys = [bytes([40 + i]) * 16 for i in range(2)]
+    saver = worker_for(tmp_path, source, layerwise="off")
+    saver.bind(NPUKVMetadata(saves=[transfer(keys, [5, 6])]))
+    saver.finish_step()
+    assert saver.store is not None
+    assert saver.store.flush(timeout_s=30)
+    saver.close()
+    loader = worker_for(tmp_path, cpu_caches(seed=4), layerwise="on")
+    loader.bind(NPUKVMetadata(loads=[transfer(keys, [8, 9])]))
+    loader.start_load()
+    loader.wait_layer(LAYERS[0])  # layers 1 and 2 never call the hook
+    with caplog.at_level(logging.WARNING, logger="npukv_store"):
+        loader.finish_step()
+    assert loader.take_load_errors() == {8, 9}
+    assert loader.layerwise is False
+    assert "load hook was skipped" in caplog.text
+    loader.close()
+
+
+def test_missing_blocks_are_load_errors_and_disabled_worker_loads_nothing(tmp_path):
+    worker = worker_for(tmp_path, cpu_caches(seed=5), layerwise="off")
+    worker.bind(NPUKVMetadata(loads=[transfer([b"\x01" * 16, b"\x02" * 16], [3, 4])]))
+    worker.start_load()
+    worker.finish_step()
+    assert worker.take_load_errors() == {3, 4}
+    worker.close()
+    off = WorkerSide(*engine_config(), settings(tmp_path))
+    sliced = {n: t[..., :HEAD_DIM] for n, t in cpu_caches(seed=6).items()}
+    off.register(sliced)  # K halves only: not byte runs of a whole block
+    assert "layer" in off.disabled_reason
+    off.bind(NPUKVMetadata(loads=[transfer([b"\x03" * 16], [7])], held_req_ids=["x"]))
+    off.start_load()
+    off.finish_step()
+    assert off.take_load_errors() == {7}
+    assert off.finished_sending() == {"x"}  # held blocks are still released
+
+
+def test_auto_switches_to_layerwise_after_seeing_every_hook(tmp_path):
+    worker = worker_for(tmp_path, cpu_caches(seed=7), layerwise="auto")
+    assert worker.layerwise is False
+    worker.bind(NPUKVMetadata())
+    for name in LAYERS[:2]:
+        worker.wait_layer(name)
+        worker.save_layer(name)
+    worker.finish_step()
+    assert worker.layerwise is False  # one layer never called its hooks
+    worker.bind(NPUKVMetadata())
+    for name in LAYERS:
+        worker.wait_layer(name)
+        worker.save_layer(name)
+    worker.finish_step()
+    assert worker.layerwise is True
+    worker.close()
+
+
+def test_bad_config_stops_startup_with_one_clear_error(tmp_path):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vllm_config, kv_cache_config = engine_config(
+        extra={"cache_dir": str(tmp_path), "capacity": "lots", "layerwise": "on"}
+    )
+    with pytest.raises(ConfigError, match="capacity"):
+        NPUKVStoreConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    vllm_config.kv_transfer_config.kv_connector_extra_config = {
+        "cache_dir": str(tmp_path), "prefetch": 2,
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match="unknown config key"):
+        NPUKVStoreConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+
+
+def test_scheduler_turns_load_failures_into_recompute(tmp_path):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    vllm_config, kv_cache_config = engine_config(extra={"cache_dir": str(tmp_path)})
+    connector = NPUKVStoreConnector(
+        vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config
+    )
+    assert vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+    assert NPUKVStoreConnector.requires_piecewise_for_cudagraph({"layerwise": "on"})
+    assert not NPUKVStoreConnector.requires_piecewise_for_cudagraph(
+        {"layerwise": "off"}
+    )
+    connector.shutdown()
