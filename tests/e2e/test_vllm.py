@@ -1,0 +1,207 @@
+"""End to end on real vLLM (CPU build): greedy tokens with the connector must
+equal a no-connector baseline, whatever the store holds.
+
+Every vLLM run is a separate process (scripts/vllm_harness.py) on a tiny
+random-weight Llama built locally; vLLM's own prefix cache is off, so every hit
+counted in ``num_cached_tokens`` came from our store. Most runs use
+VLLM_ENABLE_V1_MULTIPROCESSING=0 (about 20 s each); one uses vLLM's default
+multi-process mode, where the scheduler-side and worker-side connectors live in
+different processes, as users run it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS = str(ROOT / "scripts" / "vllm_harness.py")
+BLOCK = 32
+pytestmark = pytest.mark.e2e
+
+
+def _prompts() -> dict[str, list[int]]:
+    rng = random.Random(7)
+    p1 = [rng.randrange(3, 2048) for _ in range(201)]
+    p2 = p1[:150] + [rng.randrange(3, 2048) for _ in range(60)]  # shares 4 blocks
+    p3 = [rng.randrange(3, 2048) for _ in range(300)]
+    return {"p1": p1, "p2": p2, "p3": p3}
+
+
+PROMPTS = _prompts()
+
+
+def _expected_hit(tokens: list[int]) -> int:
+    return (len(tokens) - 1) // BLOCK * BLOCK  # the last token is always computed
+
+
+def harness(
+    work: Path,
+    name: str,
+    prompts: list[str],
+    *,
+    cache_dir: Path | None = None,
+    extra: dict[str, object] | None = None,
+    multiprocess: bool = False,
+    no_layer_hooks: bool = False,
+    wait: bool = True,
+) -> subprocess.Popen[bytes] | dict[str, object]:
+    """Run one vLLM process over ``prompts``; returns its report (or the
+    process when ``wait`` is False). Its log is kept in ``work/<name>.log``."""
+    prompt_file = work / f"{name}.prompts.json"
+    prompt_file.write_text(json.dumps([PROMPTS[p] for p in prompts]))
+    cmd = [
+        sys.executable, HARNESS, "run", "--model", str(work / "model"),
+        "--prompts", str(prompt_file), "--out", str(work / f"{name}.json"),
+        "--max-tokens", "8",
+    ]  # fmt: skip
+    if cache_dir is not None:
+        config = {
+            "cache_dir": str(cache_dir),
+            "capacity": "1GiB",
+            "ring_size": "64MiB",
+            **(extra or {}),
+        }
+        cmd += ["--connector", "npukv", "--extra", json.dumps(config)]
+    if no_layer_hooks:
+        cmd.append("--no-layer-hooks")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    with open(work / f"{name}.log", "wb") as log:  # the child keeps its own fd
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if not wait:
+        return proc
+    return _finish(work, name, proc)
+
+
+def _finish(work: Path, name: str, proc: subprocess.Popen[bytes]) -> dict[str, object]:
+    rc = proc.wait(timeout=600)
+    log = (work / f"{name}.log").read_text(errors="replace")
+    assert rc == 0, f"vLLM run {name} failed (rc {rc}):\n{log[-6000:]}"
+    report: dict[str, object] = json.loads((work / f"{name}.json").read_text())
+    report["log"] = log
+    return report
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("e2e")
+    subprocess.run(
+        [sys.executable, HARNESS, "build-model", str(path / "model")],
+        check=True,
+        capture_output=True,
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def baseline(work: Path) -> dict[str, list[int]]:
+    report = harness(work, "baseline", ["p1", "p2", "p3"])
+    results = report["results"]  # type: ignore[index]
+    assert all(r["num_cached_tokens"] == 0 for r in results)
+    return {p: r["tokens"] for p, r in zip(["p1", "p2", "p3"], results, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def stored(work: Path, baseline: dict[str, list[int]]) -> Path:
+    """A cache directory filled by one vLLM process (layerwise on)."""
+    cache = work / "cache"
+    report = harness(work, "store", ["p1", "p3"], cache_dir=cache,
+                     extra={"layerwise": "on"})  # fmt: skip
+    results = report["results"]  # type: ignore[index]
+    assert [r["tokens"] for r in results] == [baseline["p1"], baseline["p3"]]
+    assert all(r["num_cached_tokens"] == 0 for r in results)
+    return cache
+
+
+def _check_hits(report: dict[str, object], baseline: dict[str, list[int]],
+                names: list[str], hits: list[int]) -> None:  # fmt: skip
+    results = report["results"]  # type: ignore[index]
+    for name, result, hit in zip(names, results, hits, strict=True):
+        assert result["tokens"] == baseline[name], f"{name}: tokens differ"
+        assert result["num_cached_tokens"] == hit, f"{name}: external hit"
+
+
+def test_store_then_load_in_another_process_bulk_mode(work, baseline, stored):
+    """Second process, layerwise off: full hits for p1/p3, a partial prefix hit
+    of 4 blocks for p2 (it shares 150 tokens with p1)."""
+    report = harness(work, "load_off", ["p1", "p2", "p3"], cache_dir=stored,
+                     extra={"layerwise": "off"})  # fmt: skip
+    hits = [_expected_hit(PROMPTS["p1"]), 4 * BLOCK, _expected_hit(PROMPTS["p3"])]
+    _check_hits(report, baseline, ["p1", "p2", "p3"], hits)
+
+
+def test_load_layerwise_on(work, baseline, stored):
+    report = harness(work, "load_on", ["p3", "p1"], cache_dir=stored,
+                     extra={"layerwise": "on", "prefetch_depth": 1})  # fmt: skip
+    hits = [_expected_hit(PROMPTS["p3"]), _expected_hit(PROMPTS["p1"])]
+    _check_hits(report, baseline, ["p3", "p1"], hits)
+
+
+def test_auto_mode_without_layer_hooks_is_correct(work, baseline, stored):
+    """A platform whose attention never calls the layer hooks: auto must stay
+    in bulk mode and still load correctly."""
+    report = harness(work, "auto_nohooks", ["p1", "p3"], cache_dir=stored,
+                     extra={"layerwise": "auto"}, no_layer_hooks=True)  # fmt: skip
+    hits = [_expected_hit(PROMPTS["p1"]), _expected_hit(PROMPTS["p3"])]
+    _check_hits(report, baseline, ["p1", "p3"], hits)
+    assert "layerwise on" not in report["log"]
+
+
+def test_layerwise_on_without_hooks_recomputes(work, baseline, stored):
+    """layerwise=on on such a platform must not serve half-loaded KV: the
+    blocks are reported as load errors and recomputed."""
+    report = harness(work, "on_nohooks", ["p1"], cache_dir=stored,
+                     extra={"layerwise": "on"}, no_layer_hooks=True)  # fmt: skip
+    assert report["results"][0]["tokens"] == baseline["p1"]  # type: ignore[index]
+    assert "load hook was skipped" in report["log"]
+
+
+def test_default_multiprocess_mode(work, baseline, stored):
+    report = harness(work, "load_mp", ["p1"], cache_dir=stored, multiprocess=True)
+    _check_hits(report, baseline, ["p1"], [_expected_hit(PROMPTS["p1"])])
+
+
+def test_corrupt_chunks_are_recomputed(work, baseline, stored):
+    cache = work / "corrupt"
+    shutil.copytree(stored, cache)
+    chunks = list(cache.glob("*/chunks/*.safetensors"))
+    assert chunks
+    for path in chunks:  # flip bytes inside the data section of every chunk
+        data = bytearray(path.read_bytes())
+        for offset in range(8192, len(data) - 4096, 4099):
+            data[offset] ^= 0x5A
+        path.write_bytes(bytes(data))
+    report = harness(work, "corrupt", ["p1", "p3"], cache_dir=cache,
+                     extra={"layerwise": "off"})  # fmt: skip
+    results = report["results"]  # type: ignore[index]
+    assert [r["tokens"] for r in results] == [baseline["p1"], baseline["p3"]]
+    assert "failed to load" in report["log"]
+
+
+def test_two_vllm_processes_share_one_directory(work, baseline):
+    cache = work / "shared"
+    first = harness(work, "twin_a", ["p1", "p3", "p2"], cache_dir=cache, wait=False)
+    second = harness(work, "twin_b", ["p3", "p2", "p1"], cache_dir=cache, wait=False)
+    reports = [_finish(work, "twin_a", first), _finish(work, "twin_b", second)]  # type: ignore[arg-type]
+    for report, names in zip(
+        reports, [["p1", "p3", "p2"], ["p3", "p2", "p1"]], strict=False
+    ):
+        results = report["results"]  # type: ignore[index]
+        assert [r["tokens"] for r in results] == [baseline[n] for n in names]
+    verify = subprocess.run(
+        [sys.executable, "-m", "npukv_store.cli", "verify", str(cache)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    report = harness(work, "after_twins", ["p2"], cache_dir=cache)
+    _check_hits(report, baseline, ["p2"], [_expected_hit(PROMPTS["p2"])])
