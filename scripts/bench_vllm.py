@@ -1,0 +1,244 @@
+"""Benchmark the connector inside real vLLM (CPU build): time to first token on
+a long prompt and decode throughput, against recompute and vLLM's ExampleConnector.
+
+Why: the connector is worth switching on only if a stored prefix makes the
+first token come much sooner than recomputing it, sooner than vLLM's own disk
+connector does, and if saving costs decode next to nothing.
+
+Same model and prompts throughout: a random-weight Llama (8 layers, hidden 512,
+8 heads, fp32; --quick: 4 layers, hidden 256) and ``--prompts`` distinct prompts
+of ``--prompt-tokens`` tokens. Every row is its own vLLM process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, vLLM's prefix cache off):
+
+  recompute     no connector; TTFT = generate(max_tokens=1) per prompt
+  ours hit      a first process stores the prompts through NPUKVStoreConnector,
+                a second one times them (layerwise auto)
+  example hit   the same with vLLM's ExampleConnector (one safetensors file per
+                layer, loaded synchronously in start_load_kv)
+  decode        all prompts at once, ``--decode-tokens`` new tokens each, with no
+                connector ("saving off") and with ours and save_decode=true on an
+                empty directory ("saving on"); two rounds each, interleaved,
+                best round reported
+
+TTFT is the median over prompts of the wall time of one generate() call with
+max_tokens=1 (prefill plus one sample; the process is warm). JSON keys:
+``ttft_hit_over_recompute`` (ours hit / recompute), ``ttft_ours_over_example``,
+``decode_slowdown_saving`` (1 - tokens/s saving on / saving off) and
+``tokens_match`` (every run's greedy tokens equal the recompute run's).
+
+Run: ``python scripts/bench_vllm.py [--quick] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = str(ROOT / "scripts" / "vllm_harness.py")
+
+
+def harness(work: Path, name: str, args: list[str]) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    out = work / f"{name}.json"
+    with open(work / f"{name}.log", "wb") as log:
+        rc = subprocess.run(
+            [sys.executable, HARNESS, "run", "--out", str(out), *args],
+            stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1800,
+        ).returncode  # fmt: skip
+    if rc != 0:
+        tail = (work / f"{name}.log").read_text(errors="replace")[-4000:]
+        raise SystemExit(f"vLLM run {name} failed (rc {rc}):\n{tail}")
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--dir", default="", help="work directory (default: tmp)")
+    parser.add_argument("--prompts", type=int, default=0)
+    parser.add_argument("--prompt-tokens", type=int, default=0)
+    parser.add_argument("--decode-tokens", type=int, default=0)
+    args = parser.parse_args()
+    quick = args.quick
+    num_prompts = args.prompts or (2 if quick else 3)
+    prompt_tokens = args.prompt_tokens or (1000 if quick else 2000)
+    decode_tokens = args.decode_tokens or (32 if quick else 128)
+    model_shape = (
+        ["--layers", "4", "--hidden", "256", "--heads", "4", "--kv-heads", "4"]
+        if quick
+        else ["--layers", "8", "--hidden", "512", "--heads", "8", "--kv-heads", "8"]
+    )
+    work = Path(args.dir or tempfile.mkdtemp(prefix="bench_vllm_"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    model = work / "model"
+    if not (model / "config.json").exists():
+        subprocess.run(
+            [sys.executable, HARNESS, "build-model", str(model), *model_shape],
+            check=True, capture_output=True,
+        )  # fmt: skip
+    rng = random.Random(11)
+    prompts = [
+        [rng.randrange(3, 2048) for _ in range(prompt_tokens)]
+        for _ in range(num_prompts)
+    ]
+    (work / "prompts.json").write_text(json.dumps(prompts))
+    decode_prompts = [[rng.randrange(3, 2048) for _ in range(256)] for _ in range(4)]
+    (work / "decode.json").write_text(json.dumps(decode_prompts))
+    max_len = str(max(4096, prompt_tokens + 64))
+    common = ["--model", str(model), "--max-model-len", max_len]
+    ttft = [*common, "--prompts", str(work / "prompts.json"), "--max-tokens", "1"]
+    decode = [
+        *common, "--prompts", str(work / "decode.json"),
+        "--max-tokens", str(decode_tokens), "--batch-only",
+    ]  # fmt: skip
+
+    def ours(cache: str, **extra: object) -> list[str]:
+        config = {"cache_dir": str(work / cache), "ring_size": "256MiB", **extra}
+        return ["--connector", "npukv", "--extra", json.dumps(config)]
+
+    example = [
+        "--connector", "example", "--extra",
+        json.dumps({"shared_storage_path": str(work / "example")}),
+    ]  # fmt: skip
+    for stale in ("ours_cache", "example", "decode_cache"):
+        shutil.rmtree(work / stale, ignore_errors=True)
+
+    runs: dict[str, dict[str, Any]] = {}
+    runs["recompute"] = harness(work, "recompute", ttft)
+    runs["ours_store"] = harness(work, "ours_store", [*ttft, *ours("ours_cache")])
+    runs["ours_hit"] = harness(work, "ours_hit", [*ttft, *ours("ours_cache")])
+    runs["example_store"] = harness(work, "example_store", [*ttft, *example])
+    runs["example_hit"] = harness(work, "example_hit", [*ttft, *example])
+    decode_off, decode_on = [], []
+    for round_ in range(2):
+        decode_off.append(harness(work, f"decode_off{round_}", decode))
+        shutil.rmtree(work / "decode_cache", ignore_errors=True)
+        on_args = [*decode, *ours("decode_cache", save_decode=True)]
+        decode_on.append(harness(work, f"decode_on{round_}", on_args))
+
+    def median_ttft(name: str) -> float:
+        return statistics.median(r["seconds"] for r in runs[name]["results"])
+
+    def tokens(report: dict[str, Any]) -> list[list[int]]:
+        if "batch" in report:
+            return list(report["batch"]["tokens"])
+        return [r["tokens"] for r in report["results"]]
+
+    def decode_tps(report: dict[str, Any]) -> float:
+        generated = sum(len(t) for t in report["batch"]["tokens"])
+        return float(generated / report["batch"]["seconds"])
+
+    reference = tokens(runs["recompute"])
+    hits = {
+        name: sum(r["num_cached_tokens"] for r in runs[name]["results"])
+        for name in ("ours_hit", "example_hit")
+    }
+    tokens_match = all(
+        tokens(runs[name]) == reference
+        for name in ("ours_store", "ours_hit", "example_store", "example_hit")
+    ) and all(tokens(r) == tokens(decode_off[0]) for r in decode_off + decode_on)
+    off_best = max(decode_tps(r) for r in decode_off)
+    on_best = max(decode_tps(r) for r in decode_on)
+    t_recompute = median_ttft("recompute")
+    t_ours = median_ttft("ours_hit")
+    t_example = median_ttft("example_hit")
+    result = {
+        "bench": "vllm",
+        "quick": quick,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "commit": _commit(),
+        "model": " ".join(model_shape),
+        "prompts": num_prompts,
+        "prompt_tokens": prompt_tokens,
+        "ttft_recompute_s": round(t_recompute, 4),
+        "ttft_ours_hit_s": round(t_ours, 4),
+        "ttft_example_hit_s": round(t_example, 4),
+        "hit_tokens_ours": hits["ours_hit"],
+        "hit_tokens_example": hits["example_hit"],
+        "ttft_hit_over_recompute": round(t_ours / t_recompute, 3),
+        "ttft_ours_over_example": round(t_ours / t_example, 3),
+        "decode_tokens_per_s_saving_off": round(off_best, 1),
+        "decode_tokens_per_s_saving_on": round(on_best, 1),
+        "decode_slowdown_saving": round(1 - on_best / off_best, 4),
+        "tokens_match": tokens_match,
+        "elapsed_s": round(time.perf_counter() - started, 1),
+    }
+    result["targets_met"] = {
+        "ttft_ours_over_example<=0.5": result["ttft_ours_over_example"] <= 0.5,
+        "decode_slowdown_saving<=0.03": result["decode_slowdown_saving"] <= 0.03,
+        "tokens_match": tokens_match,
+    }
+    _print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if not args.dir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    rows = [
+        ("TTFT recompute", f"{r['ttft_recompute_s'] * 1e3:.1f} ms", "1.00"),
+        (
+            "TTFT hit, ours",
+            f"{r['ttft_ours_hit_s'] * 1e3:.1f} ms",
+            f"{r['ttft_hit_over_recompute']:.2f}",
+        ),
+        (
+            "TTFT hit, ExampleConnector",
+            f"{r['ttft_example_hit_s'] * 1e3:.1f} ms",
+            f"{r['ttft_example_hit_s'] / r['ttft_recompute_s']:.2f}",
+        ),
+        (
+            "decode, saving off",
+            f"{r['decode_tokens_per_s_saving_off']:.1f} tok/s",
+            "1.00",
+        ),
+        (
+            "decode, saving on",
+            f"{r['decode_tokens_per_s_saving_on']:.1f} tok/s",
+            f"{1 - r['decode_slowdown_saving']:.3f}",
+        ),
+    ]
+    print(f"model {r['model']}, {r['prompts']} prompts x {r['prompt_tokens']} tokens")
+    print(f"{'case':<28}{'value':>16}{'ratio':>8}")
+    for case, value, ratio in rows:
+        print(f"{case:<28}{value:>16}{ratio:>8}")
+    print(
+        f"ttft_ours_over_example {r['ttft_ours_over_example']}  "
+        f"decode_slowdown_saving {r['decode_slowdown_saving']}  "
+        f"tokens_match {r['tokens_match']}  targets {r['targets_met']}"
+    )
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
