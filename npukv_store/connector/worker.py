@@ -22,17 +22,15 @@ falls back to ``off``: attention may have read them before they arrived.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from npukv_store.config import StoreConfig
+from npukv_store.connector.loader import LayerLoader, LoadJob
 from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata
-from npukv_store.connector.namespace import PAGE_PART, engine_namespaces
+from npukv_store.connector.namespace import engine_namespaces
 from npukv_store.connector.stats import NPUKVStats
+from npukv_store.device.ordering import d2h_after, record_written
 from npukv_store.errors import ConfigError
 from npukv_store.layout import LayerLayout, LayoutError, build_runs, describe_layer
 from npukv_store.store.format import MAX_CHUNK_BLOCKS
@@ -41,47 +39,6 @@ from npukv_store.store.store import KVStore, StagedSave
 logger = logging.getLogger(__name__)
 
 _LOG_INTERVAL_S = 30.0
-_HOST_ALIGN = 4096
-
-
-@dataclass
-class _LoadJob:
-    """One step's loads, all requests together."""
-
-    keys: list[bytes]
-    block_ids: list[int]
-    ready: Any  # event on the compute stream: destinations may be written
-    done: list[Any]  # per layer: the H2D copy's event, None until issued
-    waited: list[bool]
-    errors: set[int] = field(default_factory=set)
-    finished: bool = False
-    started: float = field(default_factory=time.perf_counter)
-    cond: threading.Condition = field(default_factory=threading.Condition)
-
-
-class _HostSlot:
-    """A grow-only, device-registered host buffer that one layer is read into."""
-
-    def __init__(self, backend: Any) -> None:
-        self._backend = backend
-        self._raw = np.empty(0, dtype=np.uint8)
-        self.view = self._raw
-        self._region: Any = None
-        self.done: Any = None  # the H2D copy still reading this slot
-
-    def ensure(self, nbytes: int) -> np.ndarray:
-        if self.view.size < nbytes:
-            self.close()
-            self._raw = np.empty(nbytes + _HOST_ALIGN, dtype=np.uint8)
-            skip = -self._raw.ctypes.data % _HOST_ALIGN
-            self.view = self._raw[skip : skip + nbytes]
-            self._region = self._backend.register_host(self.view.ctypes.data, nbytes)
-        return self.view[:nbytes]
-
-    def close(self) -> None:
-        if self._region is not None:
-            self._region.close()
-            self._region = None
 
 
 class WorkerSide:
@@ -111,16 +68,12 @@ class WorkerSide:
         self._save_planned = False
         self._save_started = 0.0
         self._last_save_event: Any = None
-        self._load: _LoadJob | None = None
+        self._load: LoadJob | None = None
+        self.loader: LayerLoader | None = None
         self._load_errors: set[int] = set()
         self._hooks_seen: set[str] = set()
         self._loads_seen: set[str] = set()
         self._warned: set[str] = set()
-        self._slots: list[_HostSlot] = []
-        self._loader: threading.Thread | None = None
-        self._loader_jobs: list[_LoadJob] = []
-        self._loader_cond = threading.Condition()
-        self._closing = False
 
     # -- registration -------------------------------------------------------------
 
@@ -166,9 +119,10 @@ class WorkerSide:
         ring = self.store.ring_buffer()
         self._ring_region = self.backend.register_host(ring.ctypes.data, ring.nbytes)
         self.xfer = self.backend.new_stream()
-        self._slots = [
-            _HostSlot(self.backend) for _ in range(self.settings.prefetch_depth)
-        ]
+        self.loader = LayerLoader(
+            self.store, self.spec, self.layouts, self.backend, self.xfer,
+            self.settings.prefetch_depth,
+        )  # fmt: skip
         logger.info(
             "npukv_store: worker rank %d ready: %d layers, %s, %d B per block, "
             "namespace %s, layerwise=%s, ring registered=%s",
@@ -236,16 +190,14 @@ class WorkerSide:
         """D2H of layer ``index``'s blocks into every staged batch, ordered
         after the compute stream's work so far (the layer's KV is written)."""
         layout = self.layouts[index]
-        written = self.backend.new_event()
-        written.record(self.backend.current_stream())
-        self.xfer.wait_event(written)
+        written = record_written(self.backend)
         for staged, block_ids in self._staged:
             src, dst, sizes = build_runs(
                 [layout], block_ids, range(len(block_ids)),
                 staged.layer_address(index), layout.page_bytes,
             )  # fmt: skip
             with self.backend.stream_ctx(self.xfer):
-                self.backend.copy_runs(src, dst, sizes, "d2h", self.xfer)
+                d2h_after(self.backend, written, self.xfer, src, dst, sizes)
         self._filled[index] = True
 
     def _fail_save(self, what: str) -> None:
@@ -325,28 +277,19 @@ class WorkerSide:
         if not loads:
             return
         keys, block_ids = _concat(loads, self.rank)
-        if self.disabled_reason or self.store is None:
+        if self.disabled_reason or self.loader is None:
             self._load_errors.update(block_ids)
             return
         try:
-            ready = self.backend.new_event()
-            ready.record(self.backend.current_stream())
-            job = _LoadJob(
-                keys, block_ids, ready,
-                [None] * len(self.layouts), [False] * len(self.layouts),
-            )  # fmt: skip
+            job = self.loader.new_job(keys, block_ids)
             if self.layerwise:
-                self._submit_to_loader(job)
+                self.loader.submit(job)
                 self._load = job
-            else:
-                try:
-                    self._run_load(job)
-                finally:
-                    job.finished = True
-                for done in job.done:
-                    if done is not None:
-                        self.backend.current_stream().wait_event(done)
-                self._settle_load(job)
+                return
+            self.loader.run(job)
+            for index in range(len(self.layouts)):
+                self.loader.wait_layer(job, index)
+            self._settle_load(job)
         except Exception:
             self._warn_once("load", "load failed; its blocks are recomputed")
             self._load_errors.update(block_ids)
@@ -355,22 +298,16 @@ class WorkerSide:
         if self._observe_hooks:
             self._loads_seen.add(layer_name)
         job = self._load
-        if job is None:
+        if job is None or self.loader is None:
             return
         index = self.layer_index.get(layer_name)
-        if index is None:
-            return
-        with job.cond:
-            job.cond.wait_for(lambda: job.done[index] is not None or job.finished)
-        done = job.done[index]
-        if done is not None:
-            self.backend.current_stream().wait_event(done)
-            job.waited[index] = True
+        if index is not None:
+            self.loader.wait_layer(job, index)
 
-    def _settle_load(self, job: _LoadJob) -> None:
-        with job.cond:
-            job.cond.wait_for(lambda: job.finished)
-        if self.layerwise and not all(job.waited):
+    def _settle_load(self, job: LoadJob) -> None:
+        assert self.loader is not None
+        self.loader.settle(job)
+        if not all(job.waited):
             # attention ran on some layer before its blocks arrived
             job.errors.update(job.block_ids)
             self.layerwise = False
@@ -378,9 +315,6 @@ class WorkerSide:
                 "npukv_store: a layer's load hook was skipped; falling back to "
                 "layerwise=off (this step's loaded blocks are recomputed)"
             )
-        for done in job.done:
-            if done is not None:
-                done.synchronize()  # H2D out of the host slots is complete
         good = len(job.block_ids) - len(set(job.block_ids) & job.errors)
         if job.errors:
             logger.warning(
@@ -395,63 +329,6 @@ class WorkerSide:
             load_seconds=time.perf_counter() - job.started,
             load_errors=len(job.errors),
         )
-
-    def _submit_to_loader(self, job: _LoadJob) -> None:
-        if self._loader is None:
-            self._loader = threading.Thread(
-                target=self._loader_main, name="npukv-loader", daemon=True
-            )
-            self._loader.start()
-        with self._loader_cond:
-            self._loader_jobs.append(job)
-            self._loader_cond.notify()
-
-    def _loader_main(self) -> None:
-        self.backend.bind_thread()
-        while True:
-            with self._loader_cond:
-                self._loader_cond.wait_for(lambda: self._loader_jobs or self._closing)
-                if not self._loader_jobs:
-                    return
-                job = self._loader_jobs.pop(0)
-            try:
-                self._run_load(job)
-            except Exception:
-                self._warn_once("loader", "layer load failed; blocks are recomputed")
-                job.errors.update(job.block_ids)
-            finally:
-                with job.cond:
-                    job.finished = True
-                    job.cond.notify_all()
-
-    def _run_load(self, job: _LoadJob) -> None:
-        """Read each layer into a host slot and copy it to the device, layer by
-        layer; a slot is reused once its previous H2D copy completed."""
-        assert self.store is not None
-        self.xfer.wait_event(job.ready)  # destinations may still be zeroed
-        count = len(job.keys)
-        for index, layout in enumerate(self.layouts):
-            slot = self._slots[index % len(self._slots)]
-            if slot.done is not None:
-                slot.done.synchronize()
-            host = slot.ensure(count * layout.page_bytes)
-            name = f"{self.spec.layers[index].name}.{PAGE_PART}"
-            ok = self.store.read(job.keys, {name: host.reshape(count, -1)})
-            rows = [i for i in range(count) if ok[i]]
-            job.errors.update(job.block_ids[i] for i in range(count) if not ok[i])
-            done = self.backend.new_event()
-            if rows:
-                dev, hst, sizes = build_runs(
-                    [layout], [job.block_ids[i] for i in rows], rows,
-                    host.ctypes.data, layout.page_bytes,
-                )  # fmt: skip
-                with self.backend.stream_ctx(self.xfer):
-                    self.backend.copy_runs(hst, dev, sizes, "h2d", self.xfer)
-            done.record(self.xfer)
-            slot.done = done
-            with job.cond:
-                job.done[index] = done
-                job.cond.notify_all()
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -485,15 +362,10 @@ class WorkerSide:
         )  # fmt: skip
 
     def close(self) -> None:
-        with self._loader_cond:
-            self._closing = True
-            self._loader_cond.notify_all()
-        if self._loader is not None:
-            self._loader.join(timeout=10)
+        if self.loader is not None:
+            self.loader.close()
         if self.store is not None:
             self.fence()  # no device copy uses the ring or the slots any more
-        for slot in self._slots:
-            slot.close()
         region = getattr(self, "_ring_region", None)
         if region is not None:
             region.close()
