@@ -68,6 +68,19 @@ class ChunkReader:
         self._engines = threading.local()  # one engine per reading thread
         self._all_engines: list[IOEngine] = []
         self._verify_pool: ThreadPoolExecutor | None = None
+        self._corrupt: set[int] = set()  # chunk ids found corrupt, for the store
+
+    def take_corrupt(self) -> set[int]:
+        """Chunk ids whose header or checksums were found wrong since the last
+        call (not I/O errors, which may pass)."""
+        with self._lock:
+            corrupt, self._corrupt = self._corrupt, set()
+        return corrupt
+
+    def _mark_corrupt(self, chunk_id: int) -> None:
+        with self._lock:
+            self._corrupt.add(chunk_id)
+            self._headers.pop(chunk_id, None)
 
     def clear(self) -> None:
         """Forget cached headers and engines (after fork: their threads are gone)."""
@@ -109,7 +122,10 @@ class ChunkReader:
                 for i, r in items
                 if r < header.num_blocks and header.keys[r] == keys[i]
             ]
-            return self._read_layers(fd, header, items, layers, dest)
+            good = self._read_layers(fd, header, items, layers, dest)
+            if len(good) < len(items):
+                self._mark_corrupt(chunk_id)
+            return good
         except OSError:
             self._counters.add(read_errors=1)
             logger.warning("read of chunk %s failed", path, exc_info=True)
@@ -225,6 +241,7 @@ class ChunkReader:
         except FormatError:
             self._counters.add(read_errors=1)
             logger.warning("bad chunk %s: treated as a miss", path, exc_info=True)
+            self._mark_corrupt(chunk_id)
             return None
         with self._lock:
             self._headers[chunk_id] = header

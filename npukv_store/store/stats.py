@@ -27,6 +27,7 @@ _COUNTERS = (
     "read_misses",
     "read_errors",
     "checksum_errors",
+    "quarantined_chunks",
 )
 
 

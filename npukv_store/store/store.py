@@ -424,6 +424,9 @@ class KVStore:
                 self.touches.note_chunk(chunk_id)
             for i in good:
                 ok[i] = True
+        corrupt = self._reader.take_corrupt()
+        if corrupt:
+            self._quarantine(corrupt)
         hits = sum(ok)
         self.counters.add(
             read_blocks=hits,
@@ -431,6 +434,26 @@ class KVStore:
             read_bytes=hits * sum(self.spec.layers[li].row_bytes for li in layers),
         )
         return ok
+
+    def _quarantine(self, chunk_ids: set[int]) -> None:
+        """Unpublish chunks found corrupt and remove their files, as eviction
+        does: their blocks become misses and are saved again when recomputed."""
+        try:
+            removed = self.index.remove_chunks(chunk_ids)
+        except Exception:
+            logger.warning("could not unpublish corrupt chunks", exc_info=True)
+            return
+        for record in removed:
+            logger.warning(
+                "chunk %016x is corrupt: unpublished, its %d blocks will be "
+                "saved again",
+                record.chunk_id,
+                record.num_rows,
+            )
+            unlink_quietly(self.dir.chunk_path(record.namespace.hex(), record.chunk_id))
+        with self._lock:
+            self._unlinked.extend(record.chunk_id for record in removed)
+        self.counters.add(quarantined_chunks=len(removed))
 
     def _take_unlinked(self) -> list[int]:
         with self._lock:

@@ -63,9 +63,16 @@ def test_chunk_of_another_namespace_is_a_miss(filled, tmp_path):
     with KVStore(config, tiny_spec()) as store:
         assert store.lookup(keys) == 4  # the index still says stored...
         out = empty_like_blocks(store.spec, 4)
-        assert store.read(keys, out) == [False] * 4  # ...but reading refuses
-        assert store.stats().counters["read_errors"] == 1
         assert any("namespace" in p for p in store.check())
+        assert store.read(keys, out) == [False] * 4  # ...but reading refuses
+        counters = store.stats().counters
+        assert counters["read_errors"] == 1
+        # and quarantines the chunk: unpublished, file gone, saved again later
+        assert counters["quarantined_chunks"] == 1
+        assert store.lookup(keys) == 0
+        assert not os.path.exists(mine)
+        # (the other model's chunk is "indexed but missing": the test moved it)
+        assert [p for p in store.check() if store.namespace in p] == []
 
 
 @pytest.mark.parametrize("damage", ["truncate_data", "truncate_header", "flip_data"])
@@ -97,7 +104,14 @@ def test_truncated_or_corrupt_chunk_is_a_miss(filled, damage):
             for name, array in expected.items():
                 if hit:
                     np.testing.assert_array_equal(out[name][i], array[i])
-        assert store.check(verify_data=True) != []
+        # the whole chunk is suspect: unpublished and removed, so its blocks
+        # are recomputed and saved again rather than missed forever
+        assert store.stats().counters["quarantined_chunks"] == 1
+        assert store.lookup(keys) == 0
+        assert not os.path.exists(path)
+        assert store.check(verify_data=True) == []
+        store.put(keys, expected)
+        assert store.read(keys, out) == [True] * 4
 
 
 @pytest.mark.parametrize(
