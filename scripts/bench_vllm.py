@@ -75,7 +75,7 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=0)
     args = parser.parse_args()
     quick = args.quick
-    num_prompts = args.prompts or (2 if quick else 3)
+    num_prompts = args.prompts or (3 if quick else 5)
     prompt_tokens = args.prompt_tokens or (1000 if quick else 2000)
     decode_tokens = args.decode_tokens or (32 if quick else 128)
     model_shape = (

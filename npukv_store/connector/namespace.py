@@ -12,6 +12,7 @@ device runs of the layer concatenated (see :mod:`npukv_store.layout`).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from npukv_store.config import StoreConfig
@@ -65,9 +66,14 @@ def engine_namespaces(
     )
     mla = bool(getattr(model, "use_mla", False))
     tp_size = int(parallel.tensor_parallel_size)
+    # The same local checkpoint named by another path (./model, a symlink) is
+    # the same model: name it by its real path.
+    name = str(model.model)
+    if os.path.isdir(name):
+        name = os.path.realpath(name)
     return [
         NamespaceSpec(
-            model=str(model.model),
+            model=name,
             revision=str(model.revision or ""),
             block_size=int(kv_spec.block_size),
             kv_dtype=str(kv_spec.dtype).removeprefix("torch."),

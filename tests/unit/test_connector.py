@@ -283,3 +283,20 @@ def test_scheduler_turns_load_failures_into_recompute(tmp_path):
         {"layerwise": "off"}
     )
     connector.shutdown()
+
+
+def test_namespace_names_a_local_model_by_its_real_path(tmp_path):
+    from npukv_store.connector.namespace import engine_namespaces
+
+    real = tmp_path / "ckpt"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    specs = []
+    for name in (str(real), str(tmp_path / "link"), str(tmp_path / "." / "ckpt")):
+        vllm_config, kv_cache_config = engine_config()
+        vllm_config.model_config.model = name
+        specs += engine_namespaces(vllm_config, kv_cache_config, settings(tmp_path))
+    assert len({spec.canonical_json() for spec in specs}) == 1
+    vllm_config, kv_cache_config = engine_config()  # a hub name stays as given
+    (spec,) = engine_namespaces(vllm_config, kv_cache_config, settings(tmp_path))
+    assert spec.model == "tiny-llama"
