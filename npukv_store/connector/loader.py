@@ -93,6 +93,7 @@ class LayerLoader:
         self._backend = backend
         self._xfer = xfer
         self._slots = [_HostSlot(backend) for _ in range(depth)]
+        self._host_view = getattr(backend, "host_view", None)  # CPU backend only
         self._thread: threading.Thread | None = None
         self._queue: list[LoadJob] = []
         self._cond = threading.Condition()
@@ -161,6 +162,10 @@ class LayerLoader:
         self._xfer.wait_event(job.ready)
         count = len(job.keys)
         for index, layout in enumerate(self._layouts):
+            direct = self._direct_runs(layout, job.block_ids)
+            if direct is not None:
+                self._read_direct(job, index, layout, direct)
+                continue
             slot = self._slots[index % len(self._slots)]
             if slot.done is not None:
                 slot.done.synchronize()  # its previous layer's H2D has finished
@@ -182,6 +187,52 @@ class LayerLoader:
             with job.cond:
                 job.done[index] = done
                 job.cond.notify_all()
+
+    def _direct_runs(
+        self, layout: LayerLayout, block_ids: list[int]
+    ) -> list[tuple[int, int]] | None:
+        """``(first row, rows)`` of the job's runs of consecutive block ids, when
+        the pages can be read into in place: host-addressable memory, one run
+        per block, blocks adjacent. None otherwise, or when the runs are so
+        short that one read into a slot plus one copy is cheaper."""
+        if self._host_view is None or len(layout.segments) != 1:
+            return None
+        (segment,) = layout.segments
+        if not segment.block_stride == segment.run_bytes == layout.page_bytes:
+            return None
+        runs: list[tuple[int, int]] = []
+        for row, block in enumerate(block_ids):
+            if runs and block_ids[row - 1] + 1 == block:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((row, 1))
+        return runs if len(runs) * 4 <= len(block_ids) else None
+
+    def _read_direct(
+        self,
+        job: LoadJob,
+        index: int,
+        layout: LayerLayout,
+        runs: list[tuple[int, int]],
+    ) -> None:
+        """Read layer ``index`` from disk straight into the KV pages. A row
+        that fails leaves its page unspecified; it is reported and recomputed."""
+        assert self._host_view is not None
+        (segment,) = layout.segments
+        page = layout.page_bytes
+        for first, count in runs:
+            address = segment.base_ptr + job.block_ids[first] * segment.block_stride
+            pages = self._host_view(address, count * page).reshape(count, page)
+            keys = job.keys[first : first + count]
+            ok = self._store.read(keys, {self._names[index]: pages})
+            job.errors.update(
+                job.block_ids[first + i] for i in range(count) if not ok[i]
+            )
+        done = self._backend.new_event()
+        done.record(self._xfer)
+        with job.cond:
+            job.done[index] = done
+            job.cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

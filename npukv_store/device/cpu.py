@@ -15,6 +15,7 @@ plain tensor.
 
 from __future__ import annotations
 
+import ctypes
 from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
@@ -86,6 +87,12 @@ class CpuBackend:
 
     def alloc_pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def host_view(self, ptr: int, nbytes: int) -> np.ndarray:
+        """The bytes at ``ptr`` as a writable numpy array: on the CPU "device"
+        memory is host memory, so a loader may read from disk straight into
+        KV pages instead of through a staging buffer (only this backend has it)."""
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
 
     def copy_runs(
         self,

@@ -166,11 +166,21 @@ def transfer(keys: list[bytes], block_ids: list[int]) -> BlockTransfer:
     return BlockTransfer("r", block_ids, [b"".join(keys)])
 
 
-@pytest.mark.parametrize(("save_mode", "load_mode"), [("on", "off"), ("off", "on")])
-def test_worker_saves_and_loads_blocks_bit_exact(tmp_path, save_mode, load_mode):
+@pytest.mark.parametrize(
+    ("save_mode", "load_mode", "dst_ids"),
+    [
+        ("on", "off", [1, 2, 5, 6, 31]),  # scattered: through a host slot
+        ("off", "on", [1, 2, 5, 6, 31]),
+        ("off", "on", [10, 11, 12, 13, 14]),  # one run: read into the pages
+        ("on", "off", [10, 11, 12, 13, 14]),
+    ],
+)
+def test_worker_saves_and_loads_blocks_bit_exact(
+    tmp_path, save_mode, load_mode, dst_ids
+):
     source = cpu_caches(seed=1)
     keys = [bytes([i]) * 16 for i in range(5)]
-    src_ids, dst_ids = [3, 17, 4, 30, 9], [1, 2, 5, 6, 31]
+    src_ids = [3, 17, 4, 30, 9]
     saver = worker_for(tmp_path, source, layerwise=save_mode)
     saver.bind(NPUKVMetadata(saves=[transfer(keys, src_ids)]))
     for name in LAYERS:  # the layer hooks (a no-op in bulk mode)
@@ -184,6 +194,9 @@ def test_worker_saves_and_loads_blocks_bit_exact(tmp_path, save_mode, load_mode)
     target = cpu_caches(seed=2)
     before = {name: t.clone() for name, t in target.items()}
     loader = worker_for(tmp_path, target, layerwise=load_mode, prefetch_depth=1)
+    assert loader.loader is not None
+    direct = loader.loader._direct_runs(loader.layouts[0], dst_ids)
+    assert (direct is not None) == (dst_ids[0] == 10)
     loader.bind(NPUKVMetadata(loads=[transfer(keys, dst_ids)]))
     loader.start_load()
     for name in LAYERS:
@@ -300,3 +313,27 @@ def test_namespace_names_a_local_model_by_its_real_path(tmp_path):
     vllm_config, kv_cache_config = engine_config()  # a hub name stays as given
     (spec,) = engine_namespaces(vllm_config, kv_cache_config, settings(tmp_path))
     assert spec.model == "tiny-llama"
+
+
+def test_corrupt_row_read_into_the_pages_is_a_load_error(tmp_path):
+    source = cpu_caches(seed=8)
+    keys = [bytes([60 + i]) * 16 for i in range(4)]
+    saver = worker_for(tmp_path, source, layerwise="off")
+    saver.bind(NPUKVMetadata(saves=[transfer(keys, [0 + 3, 4, 5, 6])]))
+    saver.finish_step()
+    assert saver.store is not None
+    assert saver.store.flush(timeout_s=30)
+    saver.close()
+    (chunk,) = (tmp_path / "cache").glob("*/chunks/*.safetensors")
+    data = bytearray(chunk.read_bytes())
+    data[-8 * 3 * 4 - 1] ^= 0xFF  # last byte of the data section: last row, layer 2
+    chunk.write_bytes(bytes(data))
+    target = cpu_caches(seed=9)
+    loader = worker_for(tmp_path, target, layerwise="off")
+    loader.bind(NPUKVMetadata(loads=[transfer(keys, [20, 21, 22, 23])]))
+    loader.start_load()
+    loader.finish_step()
+    assert loader.take_load_errors() == {23}
+    for name in LAYERS:
+        torch.testing.assert_close(target[name][20:23], source[name][3:6])
+    loader.close()
