@@ -13,7 +13,8 @@ store's writer thread.
 
 Modes (``layerwise``): ``on`` saves and loads in the layer hooks; ``off`` does
 everything in start_load_kv / wait_for_save; ``auto`` runs as ``off`` until it
-has seen both hooks fire for every layer in one step, then as ``on``. If a
+has seen both hooks fire for every layer in one step, then as ``on`` (on an
+accelerator; on the CPU it stays ``off``, see ``_learn_hooks``). If a
 layer's load hook is ever skipped while a load is pending, the blocks loaded in
 that step are reported as load errors (vLLM recomputes them) and the worker
 falls back to ``off``: attention may have read them before they arrived.
@@ -247,14 +248,22 @@ class WorkerSide:
         )
 
     def _learn_hooks(self) -> None:
-        """auto: switch to layerwise once both hooks fired for every layer."""
+        """auto: switch to layerwise once both hooks fired for every layer, on
+        a device whose copies run beside compute. On the CPU they would share
+        the same cores: layerwise only adds a thread hand-off per layer there
+        (measured TTFT of a warm 2,000-token hit: about 90 ms layerwise against
+        70 ms bulk), so auto stays bulk."""
         names = self.layer_index.keys()
-        if names and all(
+        if not names or not all(
             n in self._hooks_seen and n in self._loads_seen for n in names
         ):
-            self.layerwise = True
-            self._observe_hooks = False
-            logger.info("npukv_store: layer hooks fire for every layer: layerwise on")
+            return
+        self._observe_hooks = False
+        if self.backend is not None and self.backend.kind == "cpu":
+            logger.info("npukv_store: hooks fire; on the CPU layerwise stays off")
+            return
+        self.layerwise = True
+        logger.info("npukv_store: layer hooks fire for every layer: layerwise on")
 
     def fence(self) -> None:
         """handle_preemptions / held requests: the D2H copies out of blocks

@@ -250,8 +250,12 @@ def test_missing_blocks_are_load_errors_and_disabled_worker_loads_nothing(tmp_pa
     assert off.finished_sending() == {"x"}  # held blocks are still released
 
 
-def test_auto_switches_to_layerwise_after_seeing_every_hook(tmp_path):
+@pytest.mark.parametrize("kind", ["npu", "cpu"])
+def test_auto_switches_to_layerwise_after_seeing_every_hook(tmp_path, kind):
+    """On an accelerator auto turns layerwise on once every hook was seen; on
+    the CPU (copies share the compute cores) it stays bulk."""
     worker = worker_for(tmp_path, cpu_caches(seed=7), layerwise="auto")
+    worker.backend.kind = kind  # the switch only looks at the kind
     assert worker.layerwise is False
     worker.bind(NPUKVMetadata())
     for name in LAYERS[:2]:
@@ -264,7 +268,8 @@ def test_auto_switches_to_layerwise_after_seeing_every_hook(tmp_path):
         worker.wait_layer(name)
         worker.save_layer(name)
     worker.finish_step()
-    assert worker.layerwise is True
+    assert worker.layerwise is (kind == "npu")
+    assert worker._observe_hooks is False
     worker.close()
 
 
