@@ -106,10 +106,16 @@ class LayerLoader:
         layers = len(self._layouts)
         return LoadJob(keys, block_ids, ready, [None] * layers, [False] * layers)
 
-    def run(self, job: LoadJob) -> None:
-        """Load every layer of ``job`` now, on the calling thread."""
+    def run(self, job: LoadJob, *, layer_by_layer: bool = False) -> None:
+        """Load every layer of ``job`` now, on the calling thread.
+
+        Unless ``layer_by_layer``, pages that can be read into in place are
+        read for all layers in one call per run of blocks: the store then
+        verifies each layer while it reads the next ones.
+        """
         try:
-            self._load_layers(job)
+            if layer_by_layer or not self._read_all_direct(job):
+                self._load_layers(job)
         finally:
             with job.cond:
                 job.finished = True
@@ -153,7 +159,7 @@ class LayerLoader:
                     return
                 job = self._queue.pop(0)
             try:
-                self.run(job)
+                self.run(job, layer_by_layer=True)
             except Exception:
                 logger.warning("layer load failed; recomputing", exc_info=True)
                 job.errors.update(job.block_ids)
@@ -207,6 +213,34 @@ class LayerLoader:
             else:
                 runs.append((row, 1))
         return runs if len(runs) * 4 <= len(block_ids) else None
+
+    def _read_all_direct(self, job: LoadJob) -> bool:
+        """Read every layer in place, one store call per run of blocks;
+        False (nothing done) when some layer cannot be read in place."""
+        plans = [self._direct_runs(layout, job.block_ids) for layout in self._layouts]
+        if self._host_view is None or not plans or any(p is None for p in plans):
+            return False
+        runs = plans[0]
+        assert runs is not None
+        page_of = [layout.page_bytes for layout in self._layouts]
+        for first, count in runs:
+            out = {}
+            for index, layout in enumerate(self._layouts):
+                (segment,) = layout.segments
+                address = segment.base_ptr + job.block_ids[first] * segment.block_stride
+                out[self._names[index]] = self._host_view(
+                    address, count * page_of[index]
+                ).reshape(count, page_of[index])
+            ok = self._store.read(job.keys[first : first + count], out)
+            job.errors.update(
+                job.block_ids[first + i] for i in range(count) if not ok[i]
+            )
+        done = self._backend.new_event()
+        done.record(self._xfer)
+        with job.cond:
+            job.done = [done] * len(self._layouts)
+            job.cond.notify_all()
+        return True
 
     def _read_direct(
         self,
