@@ -20,7 +20,7 @@ of ``--prompt-tokens`` tokens. Every row is its own vLLM process
                 layer, loaded synchronously in start_load_kv)
   decode        all prompts at once, ``--decode-tokens`` new tokens each, with no
                 connector ("saving off") and with ours and save_decode=true on an
-                empty directory ("saving on"); two rounds each, interleaved,
+                empty directory ("saving on"); three rounds each, interleaved,
                 best round reported
 
 TTFT is the median over prompts of the wall time of one generate() call with
@@ -81,7 +81,7 @@ def main() -> int:
     quick = args.quick
     num_prompts = args.prompts or (3 if quick else 5)
     prompt_tokens = args.prompt_tokens or (1000 if quick else 2000)
-    decode_tokens = args.decode_tokens or (32 if quick else 128)
+    decode_tokens = args.decode_tokens or (32 if quick else 256)
     model_shape = (
         ["--layers", "4", "--hidden", "256", "--heads", "4", "--kv-heads", "4"]
         if quick
@@ -134,7 +134,7 @@ def main() -> int:
     runs["example_hit"] = harness(work, "example_hit", [*ttft, *example])
     runs["example_hit_warm"] = harness(work, "example_hit_warm", [*ttft, *example])
     decode_off, decode_on = [], []
-    for round_ in range(2):
+    for round_ in range(2 if quick else 3):
         decode_off.append(harness(work, f"decode_off{round_}", decode))
         shutil.rmtree(work / "decode_cache", ignore_errors=True)
         on_args = [*decode, *ours("decode_cache", save_decode=True)]
