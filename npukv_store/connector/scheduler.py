@@ -5,8 +5,8 @@ Runs in: the EngineCore process (one per engine), on the scheduler's thread.
     match()         - longest stored prefix beyond the local prefix-cache hit
     allocated()     - remember the blocks a hit loads into (and hint readahead)
     build_meta()    - one step's loads, saves and released requests
-    finished()      - save the generated blocks (save_decode) and hold the
-                      request's blocks until the workers' copies are done
+    finished()      - hold the request's blocks until the workers report its
+                      saves' copies done
 
 Keys are our own xxh3 chains (DESIGN.md §4), one chain per TP rank namespace;
 a block is a hit only when every rank's part is stored. Everything here is
@@ -59,7 +59,6 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None
         self._requests: dict[str, _RequestState] = {}
         self._loads: dict[str, BlockTransfer] = {}
-        self._finish_saves: list[BlockTransfer] = []
         self._held: list[str] = []
         self._warned: set[str] = set()
 
@@ -169,24 +168,29 @@ class SchedulerSide:
         if not self.disabled_reason:
             seen: set[bytes] = set()
             for req_id, num_tokens in scheduled.items():
-                save = self._prompt_save(req_id, num_tokens, seen)
+                save = self._step_save(req_id, num_tokens, seen)
                 if save is not None:
                     meta.saves.append(save)
-        meta.saves += self._finish_saves
         meta.held_req_ids = self._held
-        self._finish_saves, self._held = [], []
+        self._held = []
         return meta
 
-    def _prompt_save(
+    def _step_save(
         self, req_id: str, num_tokens: int, seen: set[bytes]
     ) -> BlockTransfer | None:
-        """The prompt blocks of ``req_id`` that become full this step."""
+        """The blocks of ``req_id`` that become full this step: prompt blocks,
+        and with save_decode generated ones too. Saving them in the step that
+        fills them, rather than when the request finishes, needs no step after
+        the last one (an offline LLM stops stepping when its requests finish)."""
         state = self._requests.get(req_id)
         if state is None:
             return None
         request = state.request
+        limit = request.num_prompt_tokens
+        if self.settings.save_decode:  # tokens known now (async scheduling lags)
+            limit = len(request.all_token_ids)
         computed_after = request.num_computed_tokens + num_tokens
-        full = min(computed_after, request.num_prompt_tokens) // self.block_size
+        full = min(computed_after, limit) // self.block_size
         if full <= state.saved_blocks:
             return None
         try:
@@ -220,15 +224,6 @@ class SchedulerSide:
         self._loads.pop(request.request_id, None)
         if state is None:
             return False
-        if self.settings.save_decode and not self.disabled_reason:
-            full = request.num_computed_tokens // self.block_size
-            if full > state.saved_blocks:
-                try:
-                    save = self._transfer(state, state.saved_blocks, full, set())
-                    if save is not None:
-                        self._finish_saves.append(save)
-                except Exception:
-                    self._warn_once("decode", "planning a decode save failed")
         if state.saved_any:
             self._held.append(request.request_id)
         return state.saved_any

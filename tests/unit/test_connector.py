@@ -342,3 +342,25 @@ def test_corrupt_row_read_into_the_pages_is_a_load_error(tmp_path):
     for name in LAYERS:
         torch.testing.assert_close(target[name][20:23], source[name][3:6])
     loader.close()
+
+
+def test_save_decode_plans_generated_blocks_as_they_fill(tmp_path):
+    side = SchedulerSide(*engine_config(), settings(tmp_path, save_decode=True))
+    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([5, 6, 7],))
+    request = make_request("r", list(range(2 * BLOCK - 1)))
+    side.match(request, 0)
+    side.allocated(request, [5, 6], 0)
+    meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 2 * BLOCK - 1}))
+    assert [s.block_ids for s in meta.saves] == [[5]]  # block 1 lacks a token
+    request.num_computed_tokens = 2 * BLOCK - 1
+    request.all_token_ids.append(7)  # the first sampled token completes block 1
+    request.num_tokens += 1
+    meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 1}))
+    assert [s.block_ids for s in meta.saves] == [[6]]
+    (keys,) = side._keys(side._state(request), 2)
+    assert meta.saves[0].keys(0) == keys[1:]
+    request.num_computed_tokens += 1
+    meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 1}))
+    assert meta.saves == []  # the token of this step is not sampled yet
+    assert side.finished(request) is True
+    side.close()
