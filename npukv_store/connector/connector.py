@@ -129,7 +129,7 @@ class NPUKVStoreConnector(KVConnectorBase_V1):
             return self._worker.finished_sending(), None
         except Exception:
             logger.exception("npukv_store: get_finished failed")
-            return set(self._worker._meta.held_req_ids) or None, None
+            return self._worker.held_requests() or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,7 +171,7 @@ class LayerLoader:
         for index, layout in enumerate(self._layouts):
             direct = self._direct_runs(layout, job.block_ids)
             if direct is not None:
-                self._read_direct(job, index, layout, direct)
+                self._read_direct(job, [index], direct)
                 continue
             slot = self._slots[index % len(self._slots)]
             if slot.done is not None:
@@ -218,19 +219,29 @@ class LayerLoader:
         """Read every layer in place, one store call per run of blocks;
         False (nothing done) when some layer cannot be read in place."""
         plans = [self._direct_runs(layout, job.block_ids) for layout in self._layouts]
-        if self._host_view is None or not plans or any(p is None for p in plans):
+        if not plans or any(p is None for p in plans):
             return False
         runs = plans[0]
-        assert runs is not None
-        page_of = [layout.page_bytes for layout in self._layouts]
+        assert runs is not None  # the same block ids give the same runs
+        self._read_direct(job, range(len(self._layouts)), runs)
+        return True
+
+    def _read_direct(
+        self, job: LoadJob, indices: Sequence[int], runs: list[tuple[int, int]]
+    ) -> None:
+        """Read layers ``indices`` from disk straight into the KV pages, one
+        store call per run of blocks (the store verifies each layer while it
+        reads the next). A row that fails leaves its page unspecified; it is
+        reported and recomputed."""
+        assert self._host_view is not None
         for first, count in runs:
             out = {}
-            for index, layout in enumerate(self._layouts):
+            for index in indices:
+                layout = self._layouts[index]
                 (segment,) = layout.segments
                 address = segment.base_ptr + job.block_ids[first] * segment.block_stride
-                out[self._names[index]] = self._host_view(
-                    address, count * page_of[index]
-                ).reshape(count, page_of[index])
+                pages = self._host_view(address, count * layout.page_bytes)
+                out[self._names[index]] = pages.reshape(count, layout.page_bytes)
             ok = self._store.read(job.keys[first : first + count], out)
             job.errors.update(
                 job.block_ids[first + i] for i in range(count) if not ok[i]
@@ -238,34 +249,8 @@ class LayerLoader:
         done = self._backend.new_event()
         done.record(self._xfer)
         with job.cond:
-            job.done = [done] * len(self._layouts)
-            job.cond.notify_all()
-        return True
-
-    def _read_direct(
-        self,
-        job: LoadJob,
-        index: int,
-        layout: LayerLayout,
-        runs: list[tuple[int, int]],
-    ) -> None:
-        """Read layer ``index`` from disk straight into the KV pages. A row
-        that fails leaves its page unspecified; it is reported and recomputed."""
-        assert self._host_view is not None
-        (segment,) = layout.segments
-        page = layout.page_bytes
-        for first, count in runs:
-            address = segment.base_ptr + job.block_ids[first] * segment.block_stride
-            pages = self._host_view(address, count * page).reshape(count, page)
-            keys = job.keys[first : first + count]
-            ok = self._store.read(keys, {self._names[index]: pages})
-            job.errors.update(
-                job.block_ids[first + i] for i in range(count) if not ok[i]
-            )
-        done = self._backend.new_event()
-        done.record(self._xfer)
-        with job.cond:
-            job.done[index] = done
+            for index in indices:
+                job.done[index] = done
             job.cond.notify_all()
 
     def close(self) -> None:

@@ -272,12 +272,16 @@ class WorkerSide:
             self._last_save_event.synchronize()
             self._last_save_event = None
 
+    def held_requests(self) -> set[str]:
+        """Finished requests whose blocks the scheduler holds for us."""
+        return set(self._meta.held_req_ids)
+
     def finished_sending(self) -> set[str] | None:
-        held = self._meta.held_req_ids
+        held = self.held_requests()
         if not held:
             return None
         self.fence()
-        return set(held)
+        return held
 
     # -- loads ----------------------------------------------------------------------
 
