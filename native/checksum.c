@@ -18,30 +18,28 @@
 
 #define NKV_MAX_PARTS 64
 
+#define NKV_HASH_ROWS_NAME nkv_hash_rows_baseline
+#include "hash_rows.h"
+
+/* The row loop compiled for AVX2 (checksum_avx2.c), picked at run time:
+ * xxh3 then hashes about twice as fast as with the SSE2 baseline. */
+#if defined(__x86_64__) && defined(__GNUC__)
+void nkv_hash_rows_avx2(const Py_buffer *views, Py_ssize_t nparts,
+                        Py_ssize_t nrows, unsigned char *out);
+
 static void
-nkv_hash_rows(Py_buffer *views, Py_ssize_t nparts, Py_ssize_t nrows,
+nkv_hash_rows(const Py_buffer *views, Py_ssize_t nparts, Py_ssize_t nrows,
               unsigned char *out)
 {
-    XXH3_state_t state;
-    for (Py_ssize_t r = 0; r < nrows; r++) {
-        XXH64_hash_t digest;
-        if (nparts == 1) {
-            Py_ssize_t row = views[0].len / nrows;
-            digest = XXH3_64bits((const char *)views[0].buf + r * row, (size_t)row);
-        } else {
-            XXH3_64bits_reset(&state);
-            for (Py_ssize_t p = 0; p < nparts; p++) {
-                Py_ssize_t row = views[p].len / nrows;
-                XXH3_64bits_update(&state, (const char *)views[p].buf + r * row,
-                                   (size_t)row);
-            }
-            digest = XXH3_64bits_digest(&state);
-        }
-        for (int byte = 0; byte < 8; byte++) { /* little-endian on any host */
-            out[r * 8 + byte] = (unsigned char)(digest >> (8 * byte));
-        }
+    if (__builtin_cpu_supports("avx2")) {
+        nkv_hash_rows_avx2(views, nparts, nrows, out);
+    } else {
+        nkv_hash_rows_baseline(views, nparts, nrows, out);
     }
 }
+#else
+#define nkv_hash_rows nkv_hash_rows_baseline
+#endif
 
 static PyObject *
 nkv_xxh3_rows(PyObject *module, PyObject *args)

@@ -127,8 +127,9 @@ class StoreConfig:
     direct_io: bool = field(
         default=True,
         metadata=_doc(
-            "O_DIRECT for chunk writes from the staging ring (docs/design.md §12); "
-            "reads stay buffered so the page cache serves warm hits."
+            "O_DIRECT for chunk writes from the staging ring, and for first reads "
+            "of uncached chunks into page-aligned buffers; a second read is "
+            "buffered and admits the chunk to the page cache (docs/design.md §12)."
         ),
     )
     fsync: str = field(

@@ -5,6 +5,7 @@ against both, as py-lmdb does with ``LMDB_FORCE_CFFI``); so does a missing or
 stale build, with one warning.
 
     sync_file_range_write() - start writeback of a file range, don't wait
+    page_residency()        - which pages of a file range the page cache holds
     xxh3_rows()             - xxh3_64 of each row over several parts (block
                               checksums), without the GIL when native
     copy_runs()             - many byte runs between buffers in one call (ring
@@ -24,6 +25,7 @@ import ctypes
 import ctypes.util
 import errno
 import logging
+import mmap
 import os
 import sys
 from collections.abc import Sequence
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 #: anything with the buffer protocol (collections.abc.Buffer needs Python 3.12)
 BufferLike = Any
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
 _COPY_MAX_THREADS = 64  # native/copy.c NKV_COPY_MAX_THREADS
 
@@ -80,6 +82,9 @@ class _Twin:
                 ctypes.c_int64,
                 ctypes.c_uint,
             ]
+        self._mincore = getattr(libc, "mincore", None)
+        if self._mincore is not None:
+            self._mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
     def sync_file_range(self, fd: int, offset: int, nbytes: int, flags: int) -> None:
         if offset < 0 or nbytes < 0:
@@ -89,6 +94,37 @@ class _Twin:
         if self._sync_file_range(fd, offset, nbytes, flags) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+
+    def page_residency(self, fd: int, offset: int, nbytes: int) -> bytes:
+        """native/fileio.c's mincore over a private read-only mapping (a copy
+        mapping, so ctypes can take its address; unwritten pages stay the
+        file's)."""
+        if offset < 0 or nbytes < 0:
+            raise ValueError(
+                f"page_residency: found offset {offset} and nbytes {nbytes}, "
+                "expected both >= 0"
+            )
+        start = offset - offset % mmap.PAGESIZE
+        span = offset + nbytes - start
+        pages = -(-span // mmap.PAGESIZE)
+        if pages == 0:
+            return b""
+        if self._mincore is None:
+            raise OSError(errno.ENOSYS, "page_residency: no mincore in libc")
+        vec = ctypes.create_string_buffer(pages)
+        try:
+            mapping = mmap.mmap(fd, span, access=mmap.ACCESS_COPY, offset=start)
+        except OSError as exc:
+            raise OSError(exc.errno, f"page_residency (mmap/mincore): {exc}") from exc
+        with mapping:
+            anchor = ctypes.c_char.from_buffer(mapping)
+            try:
+                if self._mincore(ctypes.addressof(anchor), span, vec) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"page_residency (mincore): {os.strerror(err)}")
+            finally:
+                del anchor  # the mapping cannot close while a ctypes view holds it
+        return bytes(b & 1 for b in vec.raw)
 
     def copy_runs(
         self,
@@ -213,6 +249,18 @@ def sync_file_range_write(fd: int, offset: int, nbytes: int) -> None:
         IMPL.sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
     else:
         _TWIN.sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+def page_residency(fd: int, offset: int, nbytes: int) -> np.ndarray:
+    """``uint8 [pages]``: 1 for each page of ``[offset, offset+nbytes)`` (from
+    the page holding ``offset``) that the page cache holds, else 0.
+
+    Raises:
+        OSError: the file cannot be mapped (a filesystem without mmap).
+        ValueError: a negative offset or size.
+    """
+    impl = IMPL if IMPL is not None else _TWIN
+    return np.frombuffer(impl.page_residency(fd, offset, nbytes), dtype=np.uint8)
 
 
 def xxh3_rows(parts: Sequence[BufferLike], num_rows: int) -> np.ndarray:

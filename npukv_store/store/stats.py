@@ -24,6 +24,7 @@ _COUNTERS = (
     "hit_blocks",
     "read_blocks",
     "read_bytes",
+    "direct_read_bytes",
     "read_misses",
     "read_errors",
     "checksum_errors",

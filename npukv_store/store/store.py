@@ -100,7 +100,7 @@ class KVStore:
         self._reader = ChunkReader(
             self.dir, spec, self.namespace, self.counters,
             verify=config.verify == "always", engine_kind=config.io_engine,
-            queue_depth=config.io_queue_depth,
+            queue_depth=config.io_queue_depth, direct=config.direct_io,
         )  # fmt: skip
         self.touches = TouchRecorder(lambda: self.index)
         self._closed = threading.Event()

@@ -43,6 +43,33 @@ def test_sync_file_range(impl, tmp_path):
     assert info.value.errno == errno.EBADF
 
 
+def test_page_residency(impl, tmp_path):
+    page = os.sysconf("SC_PAGESIZE")
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(16 * page))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if native.page_residency(fd, 0, 16 * page).any():
+            pytest.skip(f"{tmp_path} keeps file pages resident (tmpfs?)")
+        os.pread(fd, 2 * page, 4 * page)  # pages 4 and 5
+        cached = native.page_residency(fd, 0, 16 * page)
+        assert cached.dtype.name == "uint8"
+        assert cached.size == 16
+        assert cached[4:6].tolist() == [1, 1]
+        assert cached[:4].sum() == 0
+        # from the page holding the offset, to the page holding the last byte
+        assert native.page_residency(fd, 4 * page + 1, page).tolist() == [1, 1]
+        assert native.page_residency(fd, 3 * page, 0).size == 0
+        with pytest.raises(ValueError, match=">= 0"):
+            native.page_residency(fd, -1, 10)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match="page_residency"):
+        native.page_residency(fd, 0, page)  # closed fd
+
+
 def test_env_selects_the_twin():
     code = "from npukv_store import native; print(native.IS_NATIVE)"
     env = {**os.environ, "NPUKV_NATIVE": "0"}
