@@ -7,6 +7,11 @@
  *   reap(min_complete=1) -> [(tag, result)]: waits for at least min_complete
  *                         completions and returns every one available; result is
  *                         the bytes moved (short at EOF) or -errno
+ *   register_buffer(buffer) - pin one buffer (the staging ring) in the kernel
+ *                         once; requests wholly inside it then use
+ *                         READ_FIXED/WRITE_FIXED, which skip pinning its pages
+ *                         per request (4 KiB shmem pages: about 13% of an
+ *                         O_DIRECT write's time here)
  *   close(), fileno(), in_flight, entries
  *
  * Raw syscalls, not liburing: we need setup, one mmap per ring and enter, and a
@@ -33,6 +38,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #define NKV_URING_MAX_ENTRIES 4096
@@ -43,6 +49,10 @@
  * keeps the 32-bit SQE length from wrapping; refusing them would differ from the
  * thread engine. */
 #define NKV_MAX_RW_BYTES 0x7ffff000L
+/* The kernel takes registered buffers of at most 1 GiB each: a longer one is
+ * registered as consecutive pieces (at most NKV_FIXED_MAX_PIECES). */
+#define NKV_FIXED_PIECE_BYTES (1UL << 30)
+#define NKV_FIXED_MAX_PIECES 64
 
 /* ---------------------------------------------------------------- structs */
 
@@ -86,6 +96,8 @@ typedef struct {
     struct io_uring_cqe *cqes;
     void *sq_ring, *cq_ring; /* the same mapping with IORING_FEAT_SINGLE_MMAP */
     size_t sq_ring_bytes, cq_ring_bytes, sqes_bytes;
+    Py_buffer fixed;    /* the registered buffer; fixed.obj != NULL while held */
+    unsigned long long fixed_submitted; /* requests sent as READ/WRITE_FIXED */
 } nkv_uring;
 
 /* ---------------------------------------------------------------- syscalls */
@@ -317,6 +329,11 @@ nkv_uring_teardown(nkv_uring *self)
         close(self->fd);
         self->fd = -1;
     }
+    /* Closing the ring fd unregisters the buffer; the kernel keeps its own page
+     * references until then, so the exporter may go now. */
+    if (self->fixed.obj != NULL) {
+        PyBuffer_Release(&self->fixed);
+    }
 }
 
 /* The slot table, all slots free; -1 when out of memory. */
@@ -461,6 +478,20 @@ nkv_prepare(nkv_uring *self, PyObject *request, Py_ssize_t index)
     sqe = &self->sqes[sq_index];
     memset(sqe, 0, sizeof(*sqe));
     sqe->opcode = op == NKV_URING_READ ? IORING_OP_READ : IORING_OP_WRITE;
+    if (self->fixed.obj != NULL) {
+        const char *base = (const char *)self->fixed.buf;
+        const char *buf = (const char *)slot->view.buf;
+        if (buf >= base && buf + slot->view.len <= base + self->fixed.len) {
+            size_t piece = (size_t)(buf - base) / NKV_FIXED_PIECE_BYTES;
+            size_t end = (size_t)(buf + slot->view.len - base);
+            if (slot->view.len > 0 && (end - 1) / NKV_FIXED_PIECE_BYTES == piece) {
+                sqe->opcode = op == NKV_URING_READ ? IORING_OP_READ_FIXED
+                                                   : IORING_OP_WRITE_FIXED;
+                sqe->buf_index = (unsigned short)piece;
+                self->fixed_submitted++;
+            }
+        }
+    }
     if (op == NKV_URING_READ && self->punt_reads) {
         /* Without it a read of cached pages is copied inline, inside
          * io_uring_enter on the caller's thread: one core for the whole batch. */
@@ -687,7 +718,63 @@ nkv_uring_get_entries(nkv_uring *self, void *closure)
 
 /* ---------------------------------------------------------------- type, exec */
 
+static PyObject *
+nkv_uring_register_buffer(nkv_uring *self, PyObject *buffer)
+{
+    struct iovec pieces[NKV_FIXED_MAX_PIECES];
+    Py_buffer view;
+    unsigned count = 0;
+    int rc = 0;
+    int err = 0;
+
+    if (nkv_uring_acquire(self, "register_buffer") < 0) {
+        return NULL;
+    }
+    if (self->fixed.obj != NULL) {
+        nkv_uring_release(self);
+        return PyErr_Format(PyExc_ValueError,
+                            "Uring.register_buffer: found a buffer already "
+                            "registered, expected none");
+    }
+    if (PyObject_GetBuffer(buffer, &view, PyBUF_WRITABLE) < 0) {
+        nkv_uring_release(self);
+        return NULL;
+    }
+    size_t total = (size_t)view.len;
+    if (total == 0 || total > NKV_FIXED_PIECE_BYTES * NKV_FIXED_MAX_PIECES) {
+        PyBuffer_Release(&view);
+        nkv_uring_release(self);
+        return PyErr_Format(PyExc_ValueError,
+                            "Uring.register_buffer: found %zd bytes, expected 1 to "
+                            "%lu",
+                            view.len, NKV_FIXED_PIECE_BYTES * NKV_FIXED_MAX_PIECES);
+    }
+    for (size_t done = 0; done < total; done += NKV_FIXED_PIECE_BYTES) {
+        size_t left = total - done;
+        pieces[count].iov_base = (char *)view.buf + done;
+        pieces[count].iov_len = left < NKV_FIXED_PIECE_BYTES ? left
+                                                             : NKV_FIXED_PIECE_BYTES;
+        count++;
+    }
+    NKV_UNLOCKED(rc = (int)syscall(__NR_io_uring_register, self->fd,
+                                   IORING_REGISTER_BUFFERS, pieces, count);
+                 if (rc < 0) err = errno);
+    if (rc < 0) {
+        PyBuffer_Release(&view);
+        nkv_uring_release(self);
+        return nkv_err_set("io_uring_register(IORING_REGISTER_BUFFERS)", err);
+    }
+    self->fixed = view;
+    nkv_uring_release(self);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef nkv_uring_methods[] = {
+    {"register_buffer", (PyCFunction)nkv_uring_register_buffer, METH_O,
+     "register_buffer(buffer)\n"
+     "Pin a writable buffer in the kernel once (io_uring fixed buffers); requests\n"
+     "wholly inside one 1 GiB piece of it use READ_FIXED/WRITE_FIXED. The buffer\n"
+     "stays exported until close(). OSError where the kernel refuses (memlock)."},
     {"submit", (PyCFunction)nkv_uring_submit, METH_O,
      "submit(requests)\n"
      "Queue (op, fd, offset, buffer, tag) requests, op 0 = read, 1 = write; one\n"
@@ -704,7 +791,16 @@ static PyMethodDef nkv_uring_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *
+nkv_uring_get_fixed_submitted(nkv_uring *self, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(self->fixed_submitted);
+}
+
 static PyGetSetDef nkv_uring_getset[] = {
+    {"fixed_submitted", (getter)nkv_uring_get_fixed_submitted, NULL,
+     "requests sent through the registered buffer so far", NULL},
     {"in_flight", (getter)nkv_uring_get_in_flight, NULL,
      "requests submitted and not yet reaped (0 once closed)", NULL},
     {"entries", (getter)nkv_uring_get_entries, NULL,

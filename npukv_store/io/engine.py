@@ -71,6 +71,13 @@ class IOEngine(ABC):
     def close(self) -> None:
         """Wait for requests in flight, then release the engine. Idempotent."""
 
+    def register_buffer(self, buffer: memoryview) -> bool:
+        """Pin ``buffer`` for this engine's lifetime, if the backend can, so
+        requests inside it skip per-request page pinning; True if it did. The
+        buffer must outlive the engine. The thread engine cannot: False."""
+        del buffer
+        return False
+
     def stream(self, requests: Sequence[IORequest]) -> Iterator[Completion]:
         """Do all ``requests`` with at most ``queue_depth`` in flight, yielding
         completions as they arrive (so callers can work on early ones while the

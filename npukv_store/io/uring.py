@@ -16,6 +16,7 @@ are gone (close waited for them), and ``reap`` raises ValueError.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,9 @@ from npukv_store.io.engine import Completion, IOEngine, IORequest
 
 if TYPE_CHECKING:
     from npukv_store._native import Uring
+
+logger = logging.getLogger(__name__)
+_register_refusal_logged = False
 
 
 class UringEngine(IOEngine):
@@ -63,6 +67,29 @@ class UringEngine(IOEngine):
 
     def reap(self, min_complete: int = 1) -> list[Completion]:
         return [Completion(tag, res) for tag, res in self._ring.reap(min_complete)]
+
+    def register_buffer(self, buffer: memoryview) -> bool:
+        """io_uring fixed buffers. A refusal (RLIMIT_MEMLOCK in a container,
+        an old kernel) is logged once per process and leaves the engine as it
+        was: requests then pin their pages one by one, as without."""
+        global _register_refusal_logged
+        try:
+            self._ring.register_buffer(buffer)
+        except OSError as exc:
+            if not _register_refusal_logged:
+                _register_refusal_logged = True
+                logger.info(
+                    "io_uring buffer registration refused (%s); writes "
+                    "from the ring pin pages per request",
+                    exc,
+                )
+            return False
+        return True
+
+    @property
+    def fixed_submitted(self) -> int:
+        """Requests sent through the registered buffer so far."""
+        return self._ring.fixed_submitted
 
     def close(self) -> None:
         self._ring.close()
