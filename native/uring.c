@@ -3,7 +3,10 @@
  *   Uring(entries, punt_reads=False) - a ring that allows `entries` (1..4096)
  *                         requests in flight; punt_reads sends reads to io-wq
  *   submit(requests)    - each request is (op, fd, offset, buffer, tag); op 0 reads
- *                         into the buffer, op 1 writes it; all queued, one syscall
+ *                         into the buffer, op 1 writes it; all queued, one syscall.
+ *                         A list or tuple of buffers is one vectored request
+ *                         (READV/WRITEV: file-adjacent ranges of different
+ *                         buffers in one I/O, as preadv)
  *   reap(min_complete=1) -> [(tag, result)]: waits for at least min_complete
  *                         completions and returns every one available; result is
  *                         the bytes moved (short at EOF) or -errno
@@ -38,6 +41,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <limits.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -64,6 +68,11 @@ typedef struct {
     Py_buffer view; /* view.obj != NULL while the slot is in use */
     PyObject *tag;  /* owned reference */
     int result;     /* -errno of a refused request */
+    /* A vectored request: view is its first buffer, more[0..num_more) the
+     * others, iov all of them (PyMem; NULL for a plain request). */
+    Py_buffer *more;
+    Py_ssize_t num_more;
+    struct iovec *iov;
 } nkv_slot;
 
 /* Invariants (all fields are written with the GIL held by the one thread that
@@ -224,6 +233,14 @@ nkv_slot_free(nkv_uring *self, unsigned index)
     PyObject *tag = slot->tag;
 
     PyBuffer_Release(&slot->view);
+    for (Py_ssize_t i = 0; i < slot->num_more; i++) {
+        PyBuffer_Release(&slot->more[i]);
+    }
+    PyMem_Free(slot->more);
+    PyMem_Free(slot->iov);
+    slot->more = NULL;
+    slot->iov = NULL;
+    slot->num_more = 0;
     slot->tag = NULL;
     self->free_slots[self->num_free++] = index;
     self->in_flight--;
@@ -434,6 +451,50 @@ nkv_uring_dealloc(nkv_uring *self)
     Py_DECREF(type);
 }
 
+/* Pin the buffers of a vectored request (a list or tuple of 1..IOV_MAX
+ * buffers) in `slot` and build its iovec array. 0, or -1 with an exception set
+ * and nothing held. */
+static int
+nkv_slot_take_vector(nkv_slot *slot, PyObject *buffers, int op, Py_ssize_t index)
+{
+    int flags = op == NKV_URING_READ ? PyBUF_WRITABLE : PyBUF_SIMPLE;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(buffers);
+    Py_ssize_t got = 0;
+
+    if (count < 1 || count > IOV_MAX) {
+        PyErr_Format(PyExc_ValueError,
+                     "submit: request %zd has %zd buffers, expected 1..%d",
+                     index, count, IOV_MAX);
+        return -1;
+    }
+    slot->iov = PyMem_Calloc((size_t)count, sizeof(struct iovec));
+    slot->more = count > 1 ? PyMem_Calloc((size_t)count - 1, sizeof(Py_buffer)) : NULL;
+    if (slot->iov == NULL || (count > 1 && slot->more == NULL)) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (; got < count; got++) {
+        Py_buffer *view = got == 0 ? &slot->view : &slot->more[got - 1];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(buffers, got), view, flags) < 0) {
+            goto fail;
+        }
+        slot->iov[got].iov_base = view->buf;
+        slot->iov[got].iov_len = (size_t)view->len;
+    }
+    slot->num_more = count - 1;
+    return 0;
+fail:
+    for (Py_ssize_t i = 0; i < got; i++) {
+        PyBuffer_Release(i == 0 ? &slot->view : &slot->more[i - 1]);
+    }
+    PyMem_Free(slot->iov);
+    PyMem_Free(slot->more);
+    slot->iov = NULL;
+    slot->more = NULL;
+    slot->num_more = 0;
+    return -1;
+}
+
 /* Pin one (op, fd, offset, buffer, tag) request in a free slot and fill the
  * next SQE for it (not yet published). 0, or -1 with an exception set and the
  * slot still free. */
@@ -466,8 +527,14 @@ nkv_prepare(nkv_uring *self, PyObject *request, Py_ssize_t index)
     }
     slot_index = self->free_slots[self->num_free - 1];
     slot = &self->slots[slot_index];
-    if (PyObject_GetBuffer(buffer, &slot->view,
-                           op == NKV_URING_READ ? PyBUF_WRITABLE : PyBUF_SIMPLE) < 0) {
+    int vectored = PyList_Check(buffer) || PyTuple_Check(buffer);
+    if (vectored) {
+        if (nkv_slot_take_vector(slot, buffer, op, index) < 0) {
+            return -1;
+        }
+    } else if (PyObject_GetBuffer(buffer, &slot->view,
+                                  op == NKV_URING_READ ? PyBUF_WRITABLE
+                                                       : PyBUF_SIMPLE) < 0) {
         return -1;
     }
     self->num_free--;
@@ -478,7 +545,9 @@ nkv_prepare(nkv_uring *self, PyObject *request, Py_ssize_t index)
     sqe = &self->sqes[sq_index];
     memset(sqe, 0, sizeof(*sqe));
     sqe->opcode = op == NKV_URING_READ ? IORING_OP_READ : IORING_OP_WRITE;
-    if (self->fixed.obj != NULL) {
+    if (vectored) {
+        sqe->opcode = op == NKV_URING_READ ? IORING_OP_READV : IORING_OP_WRITEV;
+    } else if (self->fixed.obj != NULL) {
         const char *base = (const char *)self->fixed.buf;
         const char *buf = (const char *)slot->view.buf;
         if (buf >= base && buf + slot->view.len <= base + self->fixed.len) {
@@ -499,9 +568,14 @@ nkv_prepare(nkv_uring *self, PyObject *request, Py_ssize_t index)
     }
     sqe->fd = fd;
     sqe->off = (unsigned long long)offset;
-    sqe->addr = (unsigned long long)(uintptr_t)slot->view.buf;
-    sqe->len = (unsigned)(slot->view.len < NKV_MAX_RW_BYTES ? slot->view.len
-                                                             : NKV_MAX_RW_BYTES);
+    if (vectored) { /* the kernel clamps a vector's total to MAX_RW_COUNT */
+        sqe->addr = (unsigned long long)(uintptr_t)slot->iov;
+        sqe->len = (unsigned)(slot->num_more + 1);
+    } else {
+        sqe->addr = (unsigned long long)(uintptr_t)slot->view.buf;
+        sqe->len = (unsigned)(slot->view.len < NKV_MAX_RW_BYTES ? slot->view.len
+                                                                 : NKV_MAX_RW_BYTES);
+    }
     sqe->user_data = slot_index;
     self->sq_array[sq_index] = sq_index;
     return 0;

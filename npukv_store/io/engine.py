@@ -31,12 +31,16 @@ WRITE = 1
 
 @dataclass(frozen=True, slots=True)
 class IORequest:
-    """One I/O: ``op`` (READ into / WRITE from ``buffer``) at ``offset`` of ``fd``."""
+    """One I/O: ``op`` (READ into / WRITE from ``buffer``) at ``offset`` of ``fd``.
+
+    A tuple of buffers is one vectored I/O (preadv/pwritev, READV/WRITEV): the
+    file range is as long as all of them, taken in order. The result is the
+    total bytes moved."""
 
     op: int
     fd: int
     offset: int
-    buffer: memoryview
+    buffer: memoryview | tuple[memoryview, ...]
     tag: int
 
 

@@ -47,10 +47,15 @@ class ThreadEngine(IOEngine):
 
     def _one(self, request: IORequest) -> None:
         try:
+            buffers = (
+                list(request.buffer)
+                if isinstance(request.buffer, tuple)
+                else [request.buffer]
+            )
             if request.op == READ:
-                moved = os.preadv(request.fd, [request.buffer], request.offset)
+                moved = os.preadv(request.fd, buffers, request.offset)
             else:
-                moved = os.pwritev(request.fd, [request.buffer], request.offset)
+                moved = os.pwritev(request.fd, buffers, request.offset)
             self._done.put(Completion(request.tag, moved))
         except OSError as exc:
             self._done.put(Completion(request.tag, -(exc.errno or errno.EIO)))

@@ -112,6 +112,30 @@ def test_write_then_read_round_trip(engine, tmp_path):
         os.close(fd)
 
 
+def test_vectored_requests_move_file_adjacent_ranges_of_several_buffers(
+    engine, tmp_path
+):
+    """A tuple of buffers is one preadv/pwritev: the file range is their
+    concatenation, the result the total; a short read fills them in order."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        parts = [random_bytes(n, seed=n) for n in (5000, 1, 70_000)]
+        views = tuple(memoryview(p) for p in parts)
+        assert one(engine, IORequest(WRITE, fd, 100, views, 0)) == 75_001
+        whole = os.pread(fd, 75_001, 100)
+        assert whole == b"".join(parts)
+        outs = [bytearray(n) for n in (10, 70_000, 4990)]
+        request = IORequest(READ, fd, 100, tuple(memoryview(o) for o in outs), 1)
+        assert one(engine, request) == 75_000
+        assert b"".join(outs) == whole[:75_000]
+        tail = (memoryview(bytearray(2)), memoryview(bytearray(8)))
+        assert one(engine, IORequest(READ, fd, 100 + 75_000 - 3, tail, 2)) == 4
+        assert bytes(tail[0]) + bytes(tail[1][:2]) == whole[-4:]
+        assert engine.in_flight == 0
+    finally:
+        os.close(fd)
+
+
 def test_short_read_at_eof_returns_the_short_count(engine, data_file):
     path, content = data_file
     fd = os.open(path, os.O_RDONLY)
@@ -336,6 +360,10 @@ def test_bad_requests_are_refused_whole(data_file):
             ((7, fd, 0, bytearray(4), 2), ValueError),
             ([READ, fd, 0, bytearray(4), 2], TypeError),
             ((READ, fd, 0), TypeError),
+            ((READ, fd, 0, (), 2), ValueError),  # an empty vector
+            ((READ, fd, 0, (bytearray(4), b"read-only"), 2), BufferError),
+            ((READ, fd, 0, (bytearray(4), 5), 2), TypeError),
+            ((READ, fd, 0, tuple(bytearray(1) for _ in range(2000)), 2), ValueError),
         ]:
             with pytest.raises(exc):
                 raw.submit([good, bad])
