@@ -34,10 +34,11 @@ def segment_plans(draw):
 @given(segment_plans())
 def test_groups_partition_segments_into_contiguous_bounded_reads(plan):
     segments, fds = plan
-    groups = _file_adjacent_groups(segments, fds)
+    groups = _file_adjacent_groups(segments, fds, 3)
     assert sorted(i for group in groups for i in group) == list(range(len(segments)))
     for group in groups:
         assert len({fds[i] for i in group}) == 1
+        assert len(group) == 1 or fds[group[0]] == 3  # only the direct fd merges
         assert len(group) <= chunk_reader._MAX_IOVECS
         total = sum(segments[i][3].nbytes for i in group)
         assert len(group) == 1 or total <= chunk_reader._MAX_REQUEST_BYTES
@@ -47,7 +48,7 @@ def test_groups_partition_segments_into_contiguous_bounded_reads(plan):
     for left, right in zip(groups, groups[1:], strict=False):
         last, first = left[-1], right[0]
         touching = segments[last][0] + segments[last][3].nbytes == segments[first][0]
-        if fds[last] == fds[first] and touching:
+        if fds[last] == fds[first] == 3 and touching:
             merged = sum(segments[i][3].nbytes for i in left + right[:1])
             assert (
                 merged > chunk_reader._MAX_REQUEST_BYTES
@@ -59,5 +60,7 @@ def test_a_whole_chunk_of_1_mib_segments_goes_in_4_mib_reads():
     segments = [
         (4096 + i * (1 << 20), 0, 1, np.empty(1 << 20, np.uint8)) for i in range(64)
     ]
-    groups = _file_adjacent_groups(segments, [5] * 64)
+    groups = _file_adjacent_groups(segments, [5] * 64, 5)
     assert [len(group) for group in groups] == [4] * 16
+    buffered = _file_adjacent_groups(segments, [5] * 64, None)
+    assert [len(group) for group in buffered] == [1] * 64
