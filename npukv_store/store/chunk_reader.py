@@ -188,6 +188,10 @@ class ChunkReader:
             remaining.append(len(plan))
             owners.extend((pos, segment) for segment in plan)
         fds = files.pick([segment for _, segment in owners])
+        if files.direct and any(fd != files.direct_fd for fd in fds):
+            # some ranges are read buffered after all (unaligned destination,
+            # mostly cached): give them back the readahead RANDOM took away
+            os.posix_fadvise(files.fd, 0, 0, _ADVICE)
         if files.direct_fd is not None:
             self._counters.add(
                 direct_read_bytes=sum(
@@ -321,6 +325,7 @@ class _ChunkFiles:
         self.path = path
         self.fd = fd
         self._direct = direct
+        self.direct = direct  # a direct candidate: opened with POSIX_FADV_RANDOM
         self.direct_fd: int | None = None
 
     def pick(self, segments: list[Segment]) -> list[int]:
