@@ -11,8 +11,11 @@
 
 void nkv_hash_rows_avx2(const Py_buffer *views, Py_ssize_t nparts,
                         Py_ssize_t nrows, unsigned char *out);
+void nkv_hash_range_avx2(XXH3_state_t *states, const char *part, size_t row_bytes,
+                         size_t pos, size_t end);
 
 #define NKV_HASH_ROWS_NAME nkv_hash_rows_avx2
+#define NKV_HASH_RANGE_NAME nkv_hash_range_avx2
 #define NKV_HASH_ROWS_EXTERN
 #include "hash_rows.h"
 

@@ -1,9 +1,10 @@
-/* The row-hashing loop of xxh3_rows, included by checksum.c (baseline SIMD)
- * and checksum_avx2.c (the same loop compiled for AVX2). The includer defines
- * NKV_HASH_ROWS_NAME and includes xxhash.h with XXH_INLINE_ALL first, so each
- * copy inlines the xxh3 kernels of its own instruction set. */
-#ifndef NKV_HASH_ROWS_NAME
-#error "define NKV_HASH_ROWS_NAME before including hash_rows.h"
+/* The row-hashing loops of xxh3_rows and pread_rows_xxh3, included by
+ * checksum.c (baseline SIMD) and checksum_avx2.c (the same loops compiled for
+ * AVX2). The includer defines NKV_HASH_ROWS_NAME and NKV_HASH_RANGE_NAME and
+ * includes xxhash.h with XXH_INLINE_ALL first, so each copy inlines the xxh3
+ * kernels of its own instruction set. */
+#if !defined(NKV_HASH_ROWS_NAME) || !defined(NKV_HASH_RANGE_NAME)
+#error "define NKV_HASH_ROWS_NAME and NKV_HASH_RANGE_NAME before hash_rows.h"
 #endif
 
 #ifdef NKV_HASH_ROWS_EXTERN
@@ -32,5 +33,27 @@ NKV_HASH_ROWS_NAME(const Py_buffer *views, Py_ssize_t nparts, Py_ssize_t nrows,
         for (int byte = 0; byte < 8; byte++) { /* little-endian on any host */
             out[r * 8 + byte] = (unsigned char)(digest >> (8 * byte));
         }
+    }
+}
+
+/* Feed bytes [pos, end) of one part (rows of row_bytes, laid end to end at
+ * `part`) into the running state of each row they belong to: pread_rows_xxh3
+ * calls it on each piece just read, while the piece is still in cache. */
+#ifdef NKV_HASH_ROWS_EXTERN
+void
+#else
+static void
+#endif
+NKV_HASH_RANGE_NAME(XXH3_state_t *states, const char *part, size_t row_bytes,
+                    size_t pos, size_t end)
+{
+    while (pos < end) {
+        size_t r = pos / row_bytes;
+        size_t take = (r + 1) * row_bytes - pos;
+        if (take > end - pos) {
+            take = end - pos;
+        }
+        XXH3_64bits_update(&states[r], part + pos, take);
+        pos += take;
     }
 }

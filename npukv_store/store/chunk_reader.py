@@ -26,6 +26,7 @@ are always copied from it.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 from collections import OrderedDict
@@ -181,13 +182,46 @@ class ChunkReader:
         """Read every requested layer through the engine (queue_depth requests in
         flight) and verify each layer as soon as its last read completes, so
         checksums of early layers overlap the disk reading later ones."""
+        plans = [_segments(header, items, li, dest) for li in layers]
+        found_shares = files.cached_shares([seg for plan in plans for seg in plan])
+        # unknown (no mmap): treat as uncached, as before residency was asked
+        shares = (
+            np.zeros(sum(map(len, plans))) if found_shares is None else found_shares
+        )
+        sums = header.checksums
+        checks = []
         owners: list[tuple[int, Segment]] = []  # request tag -> (layer pos, segment)
+        owner_shares: list[float] = []
         remaining = []
-        for pos, li in enumerate(layers):
-            plan = _segments(header, items, li, dest)
+        seen = 0
+        for pos, plan in enumerate(plans):
+            plan_shares = shares[seen : seen + len(plan)]
+            seen += len(plan)
+            cached = bool((plan_shares == 1.0).all())
+            if cached and self._verify:
+                # Wholly in the page cache: read and hash in one pass over
+                # memory on a verifier thread (layers in parallel), not a copy
+                # by the engine and then a hash of the copy.
+                checks.append(
+                    self._verifier().submit(
+                        self._read_cached_layer,
+                        files.fd,
+                        header,
+                        items,
+                        layers[pos],
+                        dest,
+                        sums,
+                    )  # fmt: skip
+                )
+                remaining.append(0)
+                continue
             remaining.append(len(plan))
             owners.extend((pos, segment) for segment in plan)
-        fds = files.pick([segment for _, segment in owners])
+            owner_shares.extend(plan_shares.tolist())
+        fds = files.pick(
+            [segment for _, segment in owners],
+            None if found_shares is None else np.asarray(owner_shares),
+        )
         if files.direct and any(fd != files.direct_fd for fd in fds):
             # some ranges are read buffered after all (unaligned destination,
             # mostly cached): give them back the readahead RANDOM took away
@@ -215,9 +249,7 @@ class ChunkReader:
             )
             for tag, group in enumerate(groups)
         ]
-        sums = header.checksums
         failed: set[int] = set()
-        checks = []
         for done in self._engine().stream(requests):
             moved = done.result  # bytes, filling the group's segments in order
             for index in groups[done.tag]:
@@ -281,21 +313,69 @@ class ChunkReader:
         """Key indices whose layer ``li`` does not match its checksum: one
         checksum call per run of consecutive rows (GIL-free when native)."""
         arrays = [dest[entry.name] for entry in header.layers[li]]
-        bad = set()
+        bad: set[int] = set()
         for first, row, count in _runs(items):
             found = layer_checksums([a[first : first + count] for a in arrays], count)
-            wrong = np.nonzero(found != sums[row : row + count, li])[0]
-            for offset in wrong.tolist():
-                bad.add(first + offset)
-                logger.warning(
-                    "checksum mismatch in %s row %d layer %d: a miss",
-                    header.path,
-                    row + offset,
-                    li,
-                )
-        if bad:
-            self._counters.add(checksum_errors=len(bad))
+            self._compare(header, li, first, row, found, sums, bad)
         return bad
+
+    def _read_cached_layer(
+        self,
+        fd: int,
+        header: ChunkHeader,
+        items: list[Item],
+        li: int,
+        dest: dict[str, np.ndarray],
+        sums: np.ndarray,
+    ) -> set[int]:
+        """Read layer ``li`` of the items from the page cache and verify it in
+        the same pass (native: each 256 KiB piece hashed while in cache);
+        returns the key indices that failed."""
+        bad: set[int] = set()
+        for first, row, count in _runs(items):
+            parts = [
+                (entry.begin + row * entry.row_bytes, dest[entry.name][first:][:count])
+                for entry in header.layers[li]
+            ]
+            try:
+                found = native.pread_rows_xxh3(fd, parts, count)
+                self._counters.add(
+                    cached_read_bytes=sum(part.nbytes for _, part in parts)
+                )
+            except OSError:
+                self._counters.add(read_errors=1)
+                logger.warning(
+                    "read of %s rows %d+%d layer %d failed: a miss",
+                    header.path, row, count, li, exc_info=True,
+                )  # fmt: skip
+                bad.update(range(first, first + count))
+                continue
+            self._compare(header, li, first, row, found, sums, bad)
+        return bad
+
+    def _compare(
+        self,
+        header: ChunkHeader,
+        li: int,
+        first: int,
+        row: int,
+        found: np.ndarray,
+        sums: np.ndarray,
+        bad: set[int],
+    ) -> None:
+        """Add to ``bad`` the key indices from ``first`` whose checksums
+        ``found`` (rows from ``row`` of layer ``li``) differ from the table."""
+        wrong = np.nonzero(found != sums[row : row + len(found), li])[0]
+        for offset in wrong.tolist():
+            bad.add(first + offset)
+            logger.warning(
+                "checksum mismatch in %s row %d layer %d: a miss",
+                header.path,
+                row + offset,
+                li,
+            )
+        if len(wrong):
+            self._counters.add(checksum_errors=len(wrong))
 
     def _header(self, chunk_id: int, fd: int, path: str) -> ChunkHeader | None:
         with self._lock:
@@ -328,38 +408,42 @@ class _ChunkFiles:
         self.direct = direct  # a direct candidate: opened with POSIX_FADV_RANDOM
         self.direct_fd: int | None = None
 
-    def pick(self, segments: list[Segment]) -> list[int]:
+    def cached_shares(self, segments: list[Segment]) -> np.ndarray | None:
+        """Per segment, the share of its pages the page cache holds (one
+        mincore over the span of all of them); None where that cannot be
+        asked (a filesystem without mmap)."""
+        if not segments:
+            return np.zeros(0)
+        page = mmap.PAGESIZE
+        first = min(offset for offset, _, _, _ in segments)
+        end = max(offset + dest.nbytes for offset, _, _, dest in segments)
+        try:
+            cached = native.page_residency(self.fd, first, end - first)
+        except OSError:
+            return None
+        totals = np.concatenate(([0], np.cumsum(cached, dtype=np.int64)))
+        base = first // page
+        shares = np.ones(len(segments))
+        for i, (offset, _, _, dest) in enumerate(segments):
+            lo = offset // page - base
+            hi = (offset + max(dest.nbytes, 1) - 1) // page - base + 1
+            shares[i] = (totals[hi] - totals[lo]) / (hi - lo)
+        return shares
+
+    def pick(self, segments: list[Segment], shares: np.ndarray | None) -> list[int]:
         """The fd each segment is read through: O_DIRECT where its range is
         aligned, its destination is aligned and the page cache holds less than
         ``_CACHED_SHARE`` of it; else the buffered fd."""
         fds = [self.fd] * len(segments)
-        if not self._direct or not segments:
+        if not self._direct or shares is None:
             return fds
-        aligned = [
-            i
-            for i, (offset, _, _, dest) in enumerate(segments)
-            if (offset | dest.nbytes | dest.ctypes.data) % DIRECT_ALIGN_BYTES == 0
-        ]
-        if not aligned:
-            return fds
-        first = min(segments[i][0] for i in aligned)
-        end = max(segments[i][0] + segments[i][3].nbytes for i in aligned)
-        try:
-            cached = native.page_residency(self.fd, first, end - first)
-        except OSError:  # a filesystem that cannot mmap: keep it buffered
-            return fds
-        page = DIRECT_ALIGN_BYTES
-        direct_fd = None
-        for i in aligned:
-            offset, _, _, dest = segments[i]
-            lo = (offset - first) // page
-            hi = lo + dest.nbytes // page
-            if hi > lo and cached[lo:hi].mean() >= _CACHED_SHARE:
+        for i, (offset, _, _, dest) in enumerate(segments):
+            aligned = (offset | dest.nbytes | dest.ctypes.data) % DIRECT_ALIGN_BYTES
+            if aligned or shares[i] >= _CACHED_SHARE:
                 continue
+            direct_fd = self._open_direct()
             if direct_fd is None:
-                direct_fd = self._open_direct()
-                if direct_fd is None:
-                    return fds
+                return [self.fd] * len(segments)
             fds[i] = direct_fd
         return fds
 

@@ -25,6 +25,7 @@ _COUNTERS = (
     "read_blocks",
     "read_bytes",
     "direct_read_bytes",
+    "cached_read_bytes",
     "read_misses",
     "read_errors",
     "checksum_errors",

@@ -98,6 +98,8 @@ def test_truncated_or_corrupt_chunk_is_a_miss(filled, damage):
         if damage == "flip_data":
             assert ok.count(False) == 1
             assert store.stats().counters["checksum_errors"]
+            # the damaged file was cached: read and verified in one pass
+            assert store.stats().counters["cached_read_bytes"] > 0
         else:
             assert ok == [False] * 4
         for i, hit in enumerate(ok):
@@ -112,6 +114,30 @@ def test_truncated_or_corrupt_chunk_is_a_miss(filled, damage):
         assert store.check(verify_data=True) == []
         store.put(keys, expected)
         assert store.read(keys, out) == [True] * 4
+
+
+def test_chunk_cut_short_after_its_header_was_cached_is_a_miss(filled):
+    """The reader caches headers; a file cut short later (by something else)
+    makes the read of its last layer short: the run of blocks that read
+    covers is a miss (here all four: one run), nothing wrong is served, and
+    the chunk is quarantined."""
+    config, keys = filled
+    with KVStore(config, tiny_spec()) as store:
+        out = empty_like_blocks(store.spec, 4)
+        assert store.read(keys, out) == [True] * 4  # header now cached
+        path = only_chunk(config.cache_dir, store.namespace)
+        layer = store.spec.layers[-1]
+        table = 8 * 4 * len(store.spec.layers)
+        cut = os.path.getsize(path) - table - layer.parts[-1].row_bytes // 2
+        os.truncate(path, cut)  # inside the last block's last part
+        before = store.stats().counters
+        ok = store.read(keys, out)
+        counters = store.stats().counters
+        assert ok == [False] * 4
+        assert counters["read_errors"] > before["read_errors"]
+        assert counters["cached_read_bytes"] > before["cached_read_bytes"]
+        assert counters["quarantined_chunks"] == before["quarantined_chunks"] + 1
+        assert store.lookup(keys) == 0
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,35 @@ def test_xxh3_rows_matches_python_xxhash(impl):
         native.xxh3_rows([], 1)
 
 
+def test_pread_rows_xxh3_reads_and_hashes_in_one_pass(impl, tmp_path):
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    k = rng.integers(0, 255, (6, 300_000), dtype=np.uint8)  # > one 256 KiB piece
+    v = rng.integers(0, 255, (6, 1000), dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(b"h" * 77 + k.tobytes() + v.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        dk, dv = np.zeros_like(k), np.zeros_like(v)
+        sums = native.pread_rows_xxh3(fd, [(77, dk), (77 + k.nbytes, dv)], 6)
+        np.testing.assert_array_equal(dk, k)
+        np.testing.assert_array_equal(dv, v)
+        np.testing.assert_array_equal(sums, native.xxh3_rows([k, v], 6))
+        with pytest.raises(OSError, match="short read") as info:
+            native.pread_rows_xxh3(fd, [(78 + k.nbytes, dv)], 6)  # 1 byte past
+        assert info.value.errno == errno.EIO
+        with pytest.raises(ValueError, match="multiple of 7 rows"):
+            native.pread_rows_xxh3(fd, [(0, dv)], 7)
+        with pytest.raises(ValueError, match="offset >= 0"):
+            native.pread_rows_xxh3(fd, [(-1, dv)], 6)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match="pread_rows_xxh3|Bad file") as closed:
+        native.pread_rows_xxh3(fd, [(0, dv)], 6)  # closed fd
+    assert closed.value.errno == errno.EBADF
+
+
 def test_native_checksums_are_built_where_the_header_is():
     """setup.py builds xxh3_rows when xxhash.h exists (setup_env.sh installs
     libxxhash-dev); a silent fallback would hide a slow verify path."""
