@@ -59,6 +59,29 @@ nkv_hash_range(XXH3_state_t *states, const char *part, size_t row_bytes, size_t 
 #define nkv_hash_range nkv_hash_range_baseline
 #endif
 
+/* `parts` as a fast sequence of 1..NKV_MAX_PARTS items, with nrows >= 1; NULL
+ * with TypeError or ValueError naming `fn` otherwise. */
+static PyObject *
+nkv_parts_seq(const char *fn, PyObject *parts, Py_ssize_t nrows, const char *items)
+{
+    PyObject *seq = PySequence_Fast(parts, "parts must be a sequence");
+    if (seq == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s: parts is %.100s, expected a sequence of %s",
+                     fn, Py_TYPE(parts)->tp_name, items);
+        return NULL;
+    }
+    Py_ssize_t nparts = PySequence_Fast_GET_SIZE(seq);
+    if (nparts < 1 || nparts > NKV_MAX_PARTS || nrows < 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: found %zd parts and %zd rows, expected 1..%d parts and "
+                     ">= 1 row",
+                     fn, nparts, nrows, NKV_MAX_PARTS);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    return seq;
+}
+
 static PyObject *
 nkv_xxh3_rows(PyObject *module, PyObject *args)
 {
@@ -74,18 +97,11 @@ nkv_xxh3_rows(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "On:xxh3_rows", &parts, &nrows)) {
         return NULL;
     }
-    seq = PySequence_Fast(parts, "xxh3_rows: parts must be a sequence of buffers");
+    seq = nkv_parts_seq("xxh3_rows", parts, nrows, "buffers");
     if (seq == NULL) {
         return NULL;
     }
     Py_ssize_t nparts = PySequence_Fast_GET_SIZE(seq);
-    if (nparts < 1 || nparts > NKV_MAX_PARTS || nrows < 1) {
-        PyErr_Format(PyExc_ValueError,
-                     "xxh3_rows: found %zd parts and %zd rows, expected 1..%d "
-                     "parts and >= 1 row",
-                     nparts, nrows, NKV_MAX_PARTS);
-        goto done;
-    }
     for (; got < nparts; got++) {
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got],
                                PyBUF_SIMPLE) < 0) {
@@ -184,19 +200,11 @@ nkv_pread_rows_xxh3(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "iOn:pread_rows_xxh3", &fd, &parts, &nrows)) {
         return NULL;
     }
-    seq = PySequence_Fast(parts, "pread_rows_xxh3: parts must be a sequence of "
-                                 "(offset, buffer) pairs");
+    seq = nkv_parts_seq("pread_rows_xxh3", parts, nrows, "(offset, buffer) pairs");
     if (seq == NULL) {
         return NULL;
     }
     Py_ssize_t nparts = PySequence_Fast_GET_SIZE(seq);
-    if (nparts < 1 || nparts > NKV_MAX_PARTS || nrows < 1) {
-        PyErr_Format(PyExc_ValueError,
-                     "pread_rows_xxh3: found %zd parts and %zd rows, expected 1..%d "
-                     "parts and >= 1 row",
-                     nparts, nrows, NKV_MAX_PARTS);
-        goto done;
-    }
     for (; got < nparts; got++) {
         PyObject *buffer;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, got),
