@@ -197,22 +197,27 @@ class LayerLoader:
 
     def _direct_runs(
         self, layout: LayerLayout, block_ids: list[int]
-    ) -> list[tuple[int, int]] | None:
-        """``(first row, rows)`` of the job's runs of consecutive block ids, when
-        the pages can be read into in place: host-addressable memory, one run
-        per block, blocks adjacent. None otherwise, or when the runs are so
-        short that one read into a slot plus one copy is cheaper."""
+    ) -> list[tuple[int, int, int]] | None:
+        """``(first row, rows, step)`` of the job's runs of block ids that go up
+        (step 1) or down (step -1) by one, when the pages can be read into in
+        place: host-addressable memory, one run per block, blocks adjacent.
+        None otherwise, or when the runs are so short that one read into a
+        slot plus one copy is cheaper. (vLLM hands a request the blocks another
+        one freed, often in descending order.)"""
         if self._host_view is None or len(layout.segments) != 1:
             return None
         (segment,) = layout.segments
         if not segment.block_stride == segment.run_bytes == layout.page_bytes:
             return None
-        runs: list[tuple[int, int]] = []
+        runs: list[tuple[int, int, int]] = []
         for row, block in enumerate(block_ids):
-            if runs and block_ids[row - 1] + 1 == block:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((row, 1))
+            if runs:
+                first, count, step = runs[-1]
+                gap = block - block_ids[row - 1]
+                if gap in (1, -1) and (count == 1 or gap == step):
+                    runs[-1] = (first, count + 1, gap)
+                    continue
+            runs.append((row, 1, 1))
         return runs if len(runs) * 4 <= len(block_ids) else None
 
     def _read_all_direct(self, job: LoadJob) -> bool:
@@ -227,24 +232,28 @@ class LayerLoader:
         return True
 
     def _read_direct(
-        self, job: LoadJob, indices: Sequence[int], runs: list[tuple[int, int]]
+        self, job: LoadJob, indices: Sequence[int], runs: list[tuple[int, int, int]]
     ) -> None:
         """Read layers ``indices`` from disk straight into the KV pages, one
         store call per run of blocks (the store verifies each layer while it
         reads the next). A row that fails leaves its page unspecified; it is
         reported and recomputed."""
         assert self._host_view is not None
-        for first, count in runs:
+        for first, count, step in runs:
+            # rows in memory order: a descending run is read with its keys
+            # reversed, so row i of the pages is still key i of the call
+            rows = range(first, first + count)[::step]
+            low_block = job.block_ids[rows[0]]
             out = {}
             for index in indices:
                 layout = self._layouts[index]
                 (segment,) = layout.segments
-                address = segment.base_ptr + job.block_ids[first] * segment.block_stride
+                address = segment.base_ptr + low_block * segment.block_stride
                 pages = self._host_view(address, count * layout.page_bytes)
                 out[self._names[index]] = pages.reshape(count, layout.page_bytes)
-            ok = self._store.read(job.keys[first : first + count], out)
+            ok = self._store.read([job.keys[row] for row in rows], out)
             job.errors.update(
-                job.block_ids[first + i] for i in range(count) if not ok[i]
+                job.block_ids[row] for row, hit in zip(rows, ok, strict=True) if not hit
             )
         done = self._backend.new_event()
         done.record(self._xfer)

@@ -173,6 +173,8 @@ def transfer(keys: list[bytes], block_ids: list[int]) -> BlockTransfer:
         ("off", "on", [1, 2, 5, 6, 31]),
         ("off", "on", [10, 11, 12, 13, 14]),  # one run: read into the pages
         ("on", "off", [10, 11, 12, 13, 14]),
+        ("off", "off", [14, 13, 12, 11, 10]),  # descending: in place as well
+        ("on", "on", [24, 23, 22, 21, 20]),
     ],
 )
 def test_worker_saves_and_loads_blocks_bit_exact(
@@ -196,7 +198,12 @@ def test_worker_saves_and_loads_blocks_bit_exact(
     loader = worker_for(tmp_path, target, layerwise=load_mode, prefetch_depth=1)
     assert loader.loader is not None
     direct = loader.loader._direct_runs(loader.layouts[0], dst_ids)
-    assert (direct is not None) == (dst_ids[0] == 10)
+    assert (direct is not None) == (dst_ids[0] != 1)
+    if dst_ids[0] == 24:  # runs up and down, and a lone block between them
+        mixed = [20, 21, 22, 23, 40, 9, 8, 7, 6, 5, 30, 31, 32, 33, 34, 35]
+        assert loader.loader._direct_runs(loader.layouts[0], mixed) == [
+            (0, 4, 1), (4, 1, 1), (5, 5, -1), (10, 6, 1),
+        ]  # fmt: skip
     loader.bind(NPUKVMetadata(loads=[transfer(keys, dst_ids)]))
     loader.start_load()
     for name in LAYERS:
