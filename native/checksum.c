@@ -139,12 +139,42 @@ done:
  * the L2 cache: one pass over memory where a read then a hash take two. */
 #define NKV_PREAD_PIECE_BYTES (256 * 1024)
 
-/* Read each part's file range into its buffer, hashing as it goes; 0, or an
- * errno (EIO for a short read: the file is shorter than its header says). */
+/* Read `total` bytes at `file_off` into `dst` piece by piece, feeding each
+ * piece to the running states of the rows (of `row_bytes`, from `dst`) it
+ * belongs to; 0, or an errno (EIO for a short read: the file ends early). */
+static int
+nkv_pread_into(int fd, char *dst, size_t total, long long file_off,
+               XXH3_state_t *states, size_t row_bytes)
+{
+    size_t done = 0;
+    while (done < total) {
+        size_t want = total - done;
+        if (want > NKV_PREAD_PIECE_BYTES) {
+            want = NKV_PREAD_PIECE_BYTES;
+        }
+        ssize_t got = pread(fd, dst + done, want, (off_t)(file_off + (long long)done));
+        if (got < 0 && errno == EINTR) {
+            continue;
+        }
+        if (got < 0) {
+            return errno;
+        }
+        if (got == 0) {
+            return EIO;
+        }
+        nkv_hash_range(states, dst, row_bytes, done, done + (size_t)got);
+        done += (size_t)got;
+    }
+    return 0;
+}
+
+/* Read each part's file range into its buffer, hashing as it goes; a reversed
+ * part puts file row j in buffer row nrows-1-j (row j's state still gets it).
+ * 0, or an errno. */
 static int
 nkv_pread_hash(int fd, const long long *offsets, const Py_buffer *views,
-               Py_ssize_t nparts, Py_ssize_t nrows, XXH3_state_t *states,
-               unsigned char *out)
+               const int *reversed, Py_ssize_t nparts, Py_ssize_t nrows,
+               XXH3_state_t *states, unsigned char *out)
 {
     for (Py_ssize_t r = 0; r < nrows; r++) {
         XXH3_64bits_reset(&states[r]);
@@ -153,24 +183,17 @@ nkv_pread_hash(int fd, const long long *offsets, const Py_buffer *views,
         char *part = (char *)views[p].buf;
         size_t total = (size_t)views[p].len;
         size_t row_bytes = total / (size_t)nrows;
-        size_t done = 0;
-        while (done < total) {
-            size_t want = total - done;
-            if (want > NKV_PREAD_PIECE_BYTES) {
-                want = NKV_PREAD_PIECE_BYTES;
-            }
-            ssize_t got = pread(fd, part + done, want, (off_t)(offsets[p] + (long long)done));
-            if (got < 0 && errno == EINTR) {
-                continue;
-            }
-            if (got < 0) {
-                return errno;
-            }
-            if (got == 0) {
-                return EIO;
-            }
-            nkv_hash_range(states, part, row_bytes, done, done + (size_t)got);
-            done += (size_t)got;
+        int err = 0;
+        if (!reversed[p]) {
+            err = nkv_pread_into(fd, part, total, offsets[p], states, row_bytes);
+        }
+        for (Py_ssize_t j = 0; reversed[p] && j < nrows && err == 0; j++) {
+            err = nkv_pread_into(fd, part + (size_t)(nrows - 1 - j) * row_bytes,
+                                 row_bytes, offsets[p] + (long long)(j * row_bytes),
+                                 &states[j], row_bytes);
+        }
+        if (err != 0) {
+            return err;
         }
     }
     for (Py_ssize_t r = 0; r < nrows; r++) {
@@ -190,6 +213,7 @@ nkv_pread_rows_xxh3(PyObject *module, PyObject *args)
     Py_ssize_t nrows;
     Py_buffer views[NKV_MAX_PARTS];
     long long offsets[NKV_MAX_PARTS];
+    int reversed[NKV_MAX_PARTS];
     Py_ssize_t got = 0;
     PyObject *seq = NULL;
     PyObject *out = NULL;
@@ -207,8 +231,10 @@ nkv_pread_rows_xxh3(PyObject *module, PyObject *args)
     Py_ssize_t nparts = PySequence_Fast_GET_SIZE(seq);
     for (; got < nparts; got++) {
         PyObject *buffer;
+        reversed[got] = 0;
         if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, got),
-                              "LO:pread_rows_xxh3 part", &offsets[got], &buffer)) {
+                              "LO|p:pread_rows_xxh3 part", &offsets[got], &buffer,
+                              &reversed[got])) {
             goto done;
         }
         if (PyObject_GetBuffer(buffer, &views[got], PyBUF_WRITABLE) < 0) {
@@ -234,7 +260,8 @@ nkv_pread_rows_xxh3(PyObject *module, PyObject *args)
         goto done;
     }
     unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
-    NKV_UNLOCKED(err = nkv_pread_hash(fd, offsets, views, nparts, nrows, states, dst));
+    NKV_UNLOCKED(err = nkv_pread_hash(fd, offsets, views, reversed, nparts, nrows,
+                                      states, dst));
     if (err != 0) {
         Py_CLEAR(out);
         nkv_err_set(err == EIO ? "pread_rows_xxh3 (short read or I/O error)"
@@ -253,9 +280,10 @@ done:
 static PyMethodDef nkv_checksum_methods[] = {
     {"pread_rows_xxh3", nkv_pread_rows_xxh3, METH_VARARGS,
      "pread_rows_xxh3(fd, parts, nrows) -> bytes\n"
-     "Read each (offset, buffer) part from fd into its buffer and return the\n"
-     "little-endian u64 xxh3_64 of each row over all parts, hashing each piece\n"
-     "while it is in cache (GIL released). OSError on an error or short read."},
+     "Read each (offset, buffer[, reversed]) part from fd into its buffer and\n"
+     "return the little-endian u64 xxh3_64 of each file row over all parts,\n"
+     "hashing each piece while it is in cache (GIL released); a reversed part\n"
+     "puts file row j in buffer row nrows-1-j. OSError on an error or short read."},
     {"xxh3_rows", nkv_xxh3_rows, METH_VARARGS,
      "xxh3_rows(parts, nrows) -> bytes\n"
      "Little-endian u64 xxh3_64 of each row over all parts (GIL released)."},

@@ -273,11 +273,13 @@ def page_residency(fd: int, offset: int, nbytes: int) -> np.ndarray:
 
 
 def pread_rows_xxh3(
-    fd: int, parts: Sequence[tuple[int, BufferLike]], num_rows: int
+    fd: int, parts: Sequence[tuple[Any, ...]], num_rows: int
 ) -> np.ndarray:
-    """Read each ``(offset, buffer)`` part of ``fd`` into its buffer (all of
-    it), and return ``uint64 [num_rows]``: xxh3_64 of row r of every part, as
-    :func:`xxh3_rows` over the buffers would.
+    """Read each ``(offset, buffer)`` or ``(offset, buffer, reversed)`` part
+    of ``fd`` into its buffer (all of it), and return ``uint64 [num_rows]``:
+    xxh3_64 of file row r of every part, as :func:`xxh3_rows` would give. A
+    reversed part puts file row j in buffer row ``num_rows - 1 - j`` (a run of
+    keys whose destination rows go down while the file's go up).
 
     Native: 256 KiB preads, each piece hashed while it is still in cache, GIL
     released: one pass over memory instead of a read and then a hash. Twin:
@@ -289,8 +291,8 @@ def pread_rows_xxh3(
     """
     if IMPL is not None and hasattr(IMPL, "pread_rows_xxh3"):
         return np.frombuffer(IMPL.pread_rows_xxh3(fd, parts, num_rows), dtype="<u8")
-    buffers = []
-    for index, (offset, buffer) in enumerate(parts):
+    in_file_order = []
+    for index, (offset, buffer, *flag) in enumerate(parts):
         view = memoryview(buffer).cast("B")
         if offset < 0 or num_rows < 1 or len(view) % num_rows:
             raise ValueError(
@@ -298,14 +300,21 @@ def pread_rows_xxh3(
                 f"{len(view)} bytes, expected offset >= 0 and a multiple of "
                 f"{num_rows} rows"
             )
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got == 0:
-                raise OSError(errno.EIO, "pread_rows_xxh3 (short read or I/O error)")
-            done += got
-        buffers.append(view)
-    return xxh3_rows(buffers, num_rows)
+        rows = np.frombuffer(view, np.uint8).reshape(num_rows, -1)
+        order = range(num_rows)[::-1] if flag and flag[0] else range(num_rows)
+        for j, row in enumerate(order):
+            _pread_full(fd, rows[row].data, offset + j * rows.shape[1])
+        in_file_order.append(rows[list(order)])
+    return xxh3_rows(in_file_order, num_rows)
+
+
+def _pread_full(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise OSError(errno.EIO, "pread_rows_xxh3 (short read or I/O error)")
+        done += got
 
 
 def xxh3_rows(parts: Sequence[BufferLike], num_rows: int) -> np.ndarray:

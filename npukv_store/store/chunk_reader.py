@@ -332,15 +332,21 @@ class ChunkReader:
         the same pass (native: each 256 KiB piece hashed while in cache);
         returns the key indices that failed."""
         bad: set[int] = set()
-        for first, row, count in _runs(items):
+        for first, row, count, step in _row_runs(items):
+            # keys of a run going down sit in memory in reverse file order
+            low = first if step == 1 else first - count + 1
             parts = [
-                (entry.begin + row * entry.row_bytes, dest[entry.name][first:][:count])
+                (
+                    entry.begin + row * entry.row_bytes,
+                    dest[entry.name][low : low + count],
+                    step == -1,
+                )
                 for entry in header.layers[li]
             ]
             try:
                 found = native.pread_rows_xxh3(fd, parts, count)
                 self._counters.add(
-                    cached_read_bytes=sum(part.nbytes for _, part in parts)
+                    cached_read_bytes=sum(part.nbytes for _, part, _ in parts)
                 )
             except OSError:
                 self._counters.add(read_errors=1)
@@ -348,9 +354,9 @@ class ChunkReader:
                     "read of %s rows %d+%d layer %d failed: a miss",
                     header.path, row, count, li, exc_info=True,
                 )  # fmt: skip
-                bad.update(range(first, first + count))
+                bad.update(range(low, low + count))
                 continue
-            self._compare(header, li, first, row, found, sums, bad)
+            self._compare(header, li, first, row, found, sums, bad, step)
         return bad
 
     def _compare(
@@ -362,12 +368,14 @@ class ChunkReader:
         found: np.ndarray,
         sums: np.ndarray,
         bad: set[int],
+        step: int = 1,
     ) -> None:
-        """Add to ``bad`` the key indices from ``first`` whose checksums
-        ``found`` (rows from ``row`` of layer ``li``) differ from the table."""
+        """Add to ``bad`` the key indices (``first``, then ``step`` apart) whose
+        checksums ``found`` (rows from ``row`` of layer ``li``) differ from the
+        table."""
         wrong = np.nonzero(found != sums[row : row + len(found), li])[0]
         for offset in wrong.tolist():
-            bad.add(first + offset)
+            bad.add(first + step * offset)
             logger.warning(
                 "checksum mismatch in %s row %d layer %d: a miss",
                 header.path,
@@ -509,6 +517,24 @@ def _segments(
     ]
     segments.sort(key=lambda segment: segment[0])
     return segments
+
+
+def _row_runs(items: list[Item]) -> list[tuple[int, int, int, int]]:
+    """``(key index of the first row, first row, count, step)`` of maximal runs
+    of consecutive rows whose key index goes up (step 1) or down (step -1) by
+    one per row: a run going down is one range of the file whose keys' rows
+    sit in memory in reverse order (vLLM's descending block ids)."""
+    runs: list[list[int]] = []
+    for i, row in sorted(items, key=lambda item: item[1]):
+        last = runs[-1] if runs else None
+        if last and row == last[1] + last[2]:
+            step = i - (last[0] + last[3] * (last[2] - 1))
+            if step in (1, -1) and (last[2] == 1 or step == last[3]):
+                last[2] += 1
+                last[3] = step
+                continue
+        runs.append([i, row, 1, 1])
+    return [(first, row, count, step) for first, row, count, step in runs]
 
 
 def _runs(items: list[Item]) -> list[tuple[int, int, int]]:

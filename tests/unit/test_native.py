@@ -113,6 +113,13 @@ def test_pread_rows_xxh3_reads_and_hashes_in_one_pass(impl, tmp_path):
         np.testing.assert_array_equal(dk, k)
         np.testing.assert_array_equal(dv, v)
         np.testing.assert_array_equal(sums, native.xxh3_rows([k, v], 6))
+        rk, rv = np.zeros_like(k), np.zeros_like(v)  # file rows into rows reversed
+        back = native.pread_rows_xxh3(
+            fd, [(77, rk, True), (77 + k.nbytes, rv, True)], 6
+        )
+        np.testing.assert_array_equal(rk, k[::-1])
+        np.testing.assert_array_equal(rv, v[::-1])
+        np.testing.assert_array_equal(back, sums)  # checksums in file row order
         with pytest.raises(OSError, match="short read") as info:
             native.pread_rows_xxh3(fd, [(78 + k.nbytes, dv)], 6)  # 1 byte past
         assert info.value.errno == errno.EIO

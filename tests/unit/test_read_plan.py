@@ -64,3 +64,83 @@ def test_a_whole_chunk_of_1_mib_segments_goes_in_4_mib_reads():
     assert [len(group) for group in groups] == [4] * 16
     buffered = _file_adjacent_groups(segments, [5] * 64, None)
     assert [len(group) for group in buffered] == [1] * 64
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 40), min_size=1, max_size=30, unique=True),
+    st.data(),
+)
+def test_row_runs_cover_items_in_up_or_down_runs(rows, data):
+    """_row_runs: every item once; within a run rows go up by one and key
+    indices by the run's step (+1 or -1); no two neighbouring runs could merge."""
+    keys = data.draw(st.permutations(range(len(rows))))
+    items = list(zip(keys, rows, strict=True))
+    runs = chunk_reader._row_runs(items)
+    covered = {
+        (first + step * j, row + j)
+        for first, row, count, step in runs
+        for j in range(count)
+    }
+    assert covered == set(items)
+    assert sum(count for _, _, count, _ in runs) == len(items)
+    for (first, row, count, step), nxt in zip(runs, runs[1:], strict=False):
+        assert step in (1, -1)
+        if nxt[1] == row + count:  # adjacent rows: the keys must break the step
+            last_key = first + step * (count - 1)
+            gap = nxt[0] - last_key
+            assert gap not in (1, -1) or (count > 1 and gap != step)
+
+
+def test_a_reversed_run_is_read_from_the_cache_in_one_call(tmp_path):
+    """Keys whose rows go down in memory while the chunk's go up (a descending
+    run of vLLM blocks) come back right, through the one-pass cached path, and
+    a corrupt row there is reported against the right key."""
+    from npukv_store import KVStore, StoreConfig
+    from tests.conftest import block_tensors, empty_like_blocks, tiny_spec
+
+    spec = tiny_spec()
+    config = StoreConfig(cache_dir=str(tmp_path / "c"), capacity="64MiB")
+    with KVStore(config, spec) as store:
+        keys = store.keys_for(range(16 * 8))
+        store.put(keys, block_tensors(spec, keys))
+        calls = []
+        real = chunk_reader.native.pread_rows_xxh3
+
+        def counted(fd, parts, rows):
+            calls.append((rows, [part[2] for part in parts]))
+            return real(fd, parts, rows)
+
+        chunk_reader.native.pread_rows_xxh3 = counted
+        try:
+            backwards = keys[::-1]
+            out = empty_like_blocks(spec, 8)
+            assert store.read(backwards, out) == [True] * 8
+        finally:
+            chunk_reader.native.pread_rows_xxh3 = real
+        for name, array in block_tensors(spec, backwards).items():
+            np.testing.assert_array_equal(out[name], array)
+        # one call per layer for all eight rows, every part reversed
+        assert calls == [(8, [True, True])] * len(spec.layers)
+        # a flipped byte in chunk row 2 is a miss for key index 5 only
+        import os
+
+        from npukv_store.store.format import parse_header
+
+        (path,) = [
+            os.path.join(d, f)
+            for d, _, files in os.walk(config.cache_dir)
+            for f in files
+            if f.endswith(".safetensors")
+        ]
+        fd = os.open(path, os.O_RDWR)
+        try:
+            entry = parse_header(fd, path).layers[1][1]
+            offset = entry.begin + 2 * entry.row_bytes + 5
+            os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0xFF]), offset)
+        finally:
+            os.close(fd)
+        store._reader.clear()  # forget the cached header and the first read
+        assert store.read(backwards, empty_like_blocks(spec, 8)) == [
+            i != 5 for i in range(8)
+        ]
