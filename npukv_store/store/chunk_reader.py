@@ -20,7 +20,9 @@ cache does not (mostly) hold and whose offset, length and buffer address are
 copy competing for the cores. A chunk read again is read buffered, which admits
 it to the page cache, so hot prefixes become warm hits while KV read once does
 not push other data out of memory (docs/design.md §12). Ranges the cache holds
-are always copied from it.
+are always copied from it: a layer wholly in the cache is read and checksummed
+in one pass over memory (``native.pread_rows_xxh3``) on the verifier threads,
+not through the engine (docs/design.md §13).
 """
 
 from __future__ import annotations
@@ -179,9 +181,12 @@ class ChunkReader:
         layers: list[int],
         dest: dict[str, np.ndarray],
     ) -> list[int]:
-        """Read every requested layer through the engine (queue_depth requests in
-        flight) and verify each layer as soon as its last read completes, so
-        checksums of early layers overlap the disk reading later ones."""
+        """Read and verify every requested layer. Layers wholly in the page
+        cache are read and hashed in one pass on the verifier threads; the
+        others go through the engine (queue_depth requests in flight, O_DIRECT
+        where ``files`` picks it) and each is verified as soon as its last read
+        completes, so checksums of early layers overlap the disk reading later
+        ones."""
         plans = [_segments(header, items, li, dest) for li in layers]
         found_shares = files.cached_shares([seg for plan in plans for seg in plan])
         # unknown (no mmap): treat as uncached, as before residency was asked
@@ -222,7 +227,7 @@ class ChunkReader:
             [segment for _, segment in owners],
             None if found_shares is None else np.asarray(owner_shares),
         )
-        if files.direct and any(fd != files.direct_fd for fd in fds):
+        if files.random_advice and any(fd != files.direct_fd for fd in fds):
             # some ranges are read buffered after all (unaligned destination,
             # mostly cached): give them back the readahead RANDOM took away
             os.posix_fadvise(files.fd, 0, 0, _ADVICE)
@@ -412,8 +417,8 @@ class _ChunkFiles:
     def __init__(self, path: str, fd: int, direct: bool) -> None:
         self.path = path
         self.fd = fd
-        self._direct = direct
-        self.direct = direct  # a direct candidate: opened with POSIX_FADV_RANDOM
+        self._may_open_direct = direct  # False once the filesystem refuses
+        self.random_advice = direct  # the fd was advised POSIX_FADV_RANDOM
         self.direct_fd: int | None = None
 
     def cached_shares(self, segments: list[Segment]) -> np.ndarray | None:
@@ -443,7 +448,7 @@ class _ChunkFiles:
         aligned, its destination is aligned and the page cache holds less than
         ``_CACHED_SHARE`` of it; else the buffered fd."""
         fds = [self.fd] * len(segments)
-        if not self._direct or shares is None:
+        if not self._may_open_direct or shares is None:
             return fds
         for i, (offset, _, _, dest) in enumerate(segments):
             aligned = (offset | dest.nbytes | dest.ctypes.data) % DIRECT_ALIGN_BYTES
@@ -460,7 +465,7 @@ class _ChunkFiles:
             fd, direct = open_direct(self.path, os.O_RDONLY)
             if not direct:  # the filesystem refuses O_DIRECT: buffered it is
                 os.close(fd)
-                self._direct = False
+                self._may_open_direct = False
                 return None
             self.direct_fd = fd
         return self.direct_fd
