@@ -1,8 +1,17 @@
 /* CUDA and Ascend ACL runtime calls for npukv_store.device, resolved with
  * dlopen (nothing is linked against either runtime), GIL released.
  *
- * cuda_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream, /) -> int
- *   one cudaMemcpyAsync(dst, src, n, kind, stream) per run (kind 1 H2D, 2 D2H)
+ * cuda_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream, batch_api=True, /)
+ *   -> int: every run enqueued on `stream` (kind 1 H2D, 2 D2H), as one
+ *   cuMemcpyBatchAsync where the driver has it (CUDA 12.8+) and `batch_api`,
+ *   else one cudaMemcpyAsync(dst, src, n, kind, stream) per run. Why: a stream
+ *   holds about 1,000 pending operations; behind a busy compute stream the
+ *   1,000th cudaMemcpyAsync of a save blocks the host until the GPU catches up
+ *   (measured on an H200: 1,024 runs of 32 KiB block 200 ms behind a 200 ms
+ *   kernel, 512 do not), while one batch of 8,192 runs returns in 3.5 ms, and
+ *   moves small runs 2-3x faster. A batch the driver refuses goes again as the
+ *   loop, and later calls use the loop.
+ * cuda_copy_api() -> str: the call the last cuda_memcpy_batch used
  * acl_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream, /) -> int
  *   one aclrtMemcpyAsync(dst, n, src, n, kind, stream) per run (1 H2D, 2 D2H)
  * acl_host_register(ptr, nbytes, flags, /) -> int (ACL error code, 0 = ok)
@@ -33,9 +42,29 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef int (*nkv_cuda_memcpy_fn)(void *, const void *, size_t, int, void *);
+/* cuda.h 12.8+: CUmemLocation and CUmemcpyAttributes, declared here because
+ * nothing is built against the CUDA headers. */
+typedef struct {
+    int type; /* CUmemLocationType; 0 (invalid): no hint */
+    int id;
+} nkv_cu_location;
+typedef struct {
+    int src_access_order; /* CUmemcpySrcAccessOrder */
+    nkv_cu_location src_hint;
+    nkv_cu_location dst_hint;
+    unsigned int flags;
+} nkv_cu_memcpy_attrs;
+#define NKV_CU_SRC_ACCESS_ORDER_STREAM 1 /* sources read in stream order */
+/* cuMemcpyBatchAsync_v2 (CUDA 13) and cuMemcpyBatchAsync (12.8: failIdx too) */
+typedef int (*nkv_cu_batch2_fn)(uint64_t *, uint64_t *, size_t *, size_t,
+                                nkv_cu_memcpy_attrs *, size_t *, size_t, void *);
+typedef int (*nkv_cu_batch1_fn)(uint64_t *, uint64_t *, size_t *, size_t,
+                                nkv_cu_memcpy_attrs *, size_t *, size_t, size_t *,
+                                void *);
 typedef int (*nkv_cuda_last_fn)(void);
 typedef int (*nkv_acl_memcpy_fn)(void *, size_t, const void *, size_t, int, void *);
 typedef int (*nkv_acl_reg2_fn)(void *, uint64_t, uint32_t);
@@ -55,7 +84,9 @@ typedef struct {
 static const char *const nkv_cudart_names[] = {
     "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so", NULL};
 static const char *const nkv_acl_names[] = {"libascendcl.so", NULL};
+static const char *const nkv_cuda_names[] = {"libcuda.so.1", "libcuda.so", NULL};
 static nkv_lib nkv_cudart = {"libcudart", nkv_cudart_names, NULL};
+static nkv_lib nkv_cuda = {"libcuda", nkv_cuda_names, NULL};
 static nkv_lib nkv_acl = {"libascendcl.so", nkv_acl_names, NULL};
 static pthread_mutex_t nkv_dev_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -123,7 +154,47 @@ typedef struct {
     const char *call;  /* runtime function, for messages */
     nkv_cuda_memcpy_fn cuda;
     nkv_acl_memcpy_fn acl;
+    nkv_cu_batch2_fn cu_batch2; /* CUDA only, optional: one call for all runs */
+    nkv_cu_batch1_fn cu_batch1;
 } nkv_dev_memcpy;
+
+/* Set once a batch was refused: later batches go straight to the loop. */
+static int nkv_cu_batch_refused;
+/* What the last CUDA batch used: 0 loop, 1 cuMemcpyBatchAsync(_v2). */
+static int nkv_cu_last_api;
+
+/* All non-empty runs as one cuMemcpyBatchAsync; 0 on success, else the
+ * driver's code (nothing may have run: the caller enqueues the loop). */
+static int
+nkv_cu_batch(const nkv_dev_memcpy *m, const nkv_run *runs, Py_ssize_t k, void *stream)
+{
+    uint64_t *dsts = malloc((size_t)k * 2 * sizeof(uint64_t));
+    size_t *sizes = malloc((size_t)k * sizeof(size_t));
+    size_t n = 0, attr_index = 0, fail_index = 0;
+    nkv_cu_memcpy_attrs attrs = {NKV_CU_SRC_ACCESS_ORDER_STREAM, {0, 0}, {0, 0}, 0};
+    int rc = -1;
+    if (dsts != NULL && sizes != NULL) {
+        uint64_t *srcs = dsts + k;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            if (runs[i].nbytes != 0) {
+                dsts[n] = (uint64_t)(uintptr_t)runs[i].dst;
+                srcs[n] = (uint64_t)(uintptr_t)runs[i].src;
+                sizes[n++] = runs[i].nbytes;
+            }
+        }
+        if (n == 0) {
+            rc = 0;
+        } else if (m->cu_batch2 != NULL) {
+            rc = m->cu_batch2(dsts, srcs, sizes, n, &attrs, &attr_index, 1, stream);
+        } else {
+            rc = m->cu_batch1(dsts, srcs, sizes, n, &attrs, &attr_index, 1,
+                              &fail_index, stream);
+        }
+    }
+    free(dsts);
+    free(sizes);
+    return rc;
+}
 
 /* Enqueue every run; the index of the first failed run (its code in *rc) or -1. */
 static Py_ssize_t
@@ -155,9 +226,15 @@ nkv_dev_batch(nkv_dev_memcpy *m, PyObject *args)
     int rc = 0;
     Py_ssize_t failed;
 
-    if (!PyArg_ParseTuple(args, "OOOiO&", &objs[0], &objs[1], &objs[2], &kind,
-                          nkv_ptr_addr, &stream)) {
+    int batch_api = 1;
+
+    if (!PyArg_ParseTuple(args, "OOOiO&|p", &objs[0], &objs[1], &objs[2], &kind,
+                          nkv_ptr_addr, &stream, &batch_api)) {
         return NULL;
+    }
+    if (!batch_api) {
+        m->cu_batch2 = NULL;
+        m->cu_batch1 = NULL;
     }
     if (kind < 0 || kind > 4) {
         PyErr_Format(PyExc_ValueError,
@@ -170,8 +247,20 @@ nkv_dev_batch(nkv_dev_memcpy *m, PyObject *args)
         goto done;
     }
     /* Runtime calls may block (an unregistered host range makes the copy
-     * synchronous), so the GIL is always released. */
-    NKV_UNLOCKED(failed = nkv_dev_loop(m, a.runs, a.k, kind, (void *)stream, &rc));
+     * synchronous), so the GIL is always released. The batch API refuses the
+     * legacy NULL stream (0). */
+    int batch = (m->cu_batch2 != NULL || m->cu_batch1 != NULL) && stream != 0 &&
+                !__atomic_load_n(&nkv_cu_batch_refused, __ATOMIC_RELAXED);
+    NKV_UNLOCKED({
+        if (batch && nkv_cu_batch(m, a.runs, a.k, (void *)stream) != 0) {
+            __atomic_store_n(&nkv_cu_batch_refused, 1, __ATOMIC_RELAXED);
+            batch = 0;
+        }
+        failed = batch ? -1 : nkv_dev_loop(m, a.runs, a.k, kind, (void *)stream, &rc);
+    });
+    if (m->cuda != NULL) {
+        __atomic_store_n(&nkv_cu_last_api, batch, __ATOMIC_RELAXED);
+    }
     if (failed >= 0) {
         PyErr_Format(PyExc_RuntimeError,
                      "%s: %s of run %zd (%zu bytes) returned error %d, expected 0; "
@@ -200,12 +289,23 @@ nkv_cuda_get_last_error(PyObject *module, PyObject *noargs)
 static PyObject *
 nkv_cuda_memcpy_batch(PyObject *module, PyObject *args)
 {
-    nkv_dev_memcpy m = {"cuda_memcpy_batch", "cudaMemcpyAsync", NULL, NULL};
+    nkv_dev_memcpy m = {"cuda_memcpy_batch", "cudaMemcpyAsync", NULL, NULL, NULL, NULL};
     nkv_cuda_last_fn last = NULL;
     (void)module;
     if (nkv_dev_sym(&nkv_cudart, "cudaMemcpyAsync", &m.cuda, sizeof(m.cuda), 1) < 0 ||
         nkv_dev_sym(&nkv_cudart, "cudaGetLastError", &last, sizeof(last), 0) < 0) {
         return NULL;
+    }
+    /* The driver comes with any working runtime; without it, or without the
+     * batch call (before CUDA 12.8), the loop does the work. */
+    if (nkv_dev_sym(&nkv_cuda, "cuMemcpyBatchAsync_v2", &m.cu_batch2,
+                    sizeof(m.cu_batch2), 0) < 0 ||
+        (m.cu_batch2 == NULL &&
+         nkv_dev_sym(&nkv_cuda, "cuMemcpyBatchAsync", &m.cu_batch1,
+                     sizeof(m.cu_batch1), 0) < 0)) {
+        PyErr_Clear();
+        m.cu_batch2 = NULL;
+        m.cu_batch1 = NULL;
     }
     PyObject *result = nkv_dev_batch(&m, args);
     if (result == NULL && last != NULL && PyErr_ExceptionMatches(PyExc_RuntimeError)) {
@@ -215,9 +315,19 @@ nkv_cuda_memcpy_batch(PyObject *module, PyObject *args)
 }
 
 static PyObject *
+nkv_cuda_copy_api(PyObject *module, PyObject *noargs)
+{
+    (void)module;
+    (void)noargs;
+    return PyUnicode_FromString(__atomic_load_n(&nkv_cu_last_api, __ATOMIC_RELAXED)
+                                    ? "cuMemcpyBatchAsync"
+                                    : "cudaMemcpyAsync");
+}
+
+static PyObject *
 nkv_acl_memcpy_batch(PyObject *module, PyObject *args)
 {
-    nkv_dev_memcpy m = {"acl_memcpy_batch", "aclrtMemcpyAsync", NULL, NULL};
+    nkv_dev_memcpy m = {"acl_memcpy_batch", "aclrtMemcpyAsync", NULL, NULL, NULL, NULL};
     (void)module;
     if (nkv_dev_sym(&nkv_acl, "aclrtMemcpyAsync", &m.acl, sizeof(m.acl), 1) < 0) {
         return NULL;
@@ -277,8 +387,11 @@ nkv_acl_host_unregister(PyObject *module, PyObject *arg)
 
 static PyMethodDef nkv_device_methods[] = {
     {"cuda_memcpy_batch", nkv_cuda_memcpy_batch, METH_VARARGS,
-     "cuda_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream, /) -> int\n"
-     "cudaMemcpyAsync per run on the raw stream. Returns the bytes enqueued."},
+     "cuda_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream, batch_api=True, /)"
+     " -> int\nEvery run on the raw stream: one cuMemcpyBatchAsync where the "
+     "driver has it, else cudaMemcpyAsync per run. Returns the bytes enqueued."},
+    {"cuda_copy_api", nkv_cuda_copy_api, METH_NOARGS,
+     "cuda_copy_api() -> str\nThe call the last cuda_memcpy_batch used."},
     {"acl_memcpy_batch", nkv_acl_memcpy_batch, METH_VARARGS,
      "acl_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream, /) -> int\n"
      "aclrtMemcpyAsync per run on the raw stream. Returns the bytes enqueued."},

@@ -47,8 +47,15 @@ def copy_ptrs(
 
 # device.c: CUDA / Ascend ACL runtime calls through dlopen (kind 1 H2D, 2 D2H)
 def cuda_memcpy_batch(
-    src_ptrs: object, dst_ptrs: object, sizes: object, kind: int, stream: int, /
+    src_ptrs: object,
+    dst_ptrs: object,
+    sizes: object,
+    kind: int,
+    stream: int,
+    batch_api: bool = True,
+    /,
 ) -> int: ...
+def cuda_copy_api() -> str: ...
 def acl_memcpy_batch(
     src_ptrs: object, dst_ptrs: object, sizes: object, kind: int, stream: int, /
 ) -> int: ...

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 #: anything with the buffer protocol (collections.abc.Buffer needs Python 3.12)
 BufferLike = Any
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
 _COPY_MAX_THREADS = 64  # native/copy.c NKV_COPY_MAX_THREADS
 
@@ -492,7 +492,7 @@ def _device_impl(fn: str) -> ModuleType:
 # extension each raises OSError(ENOSYS); a runtime library or symbol that is
 # missing raises OSError (ENOENT/ENOSYS) naming it. The batches take the int64
 # arrays of copy_ptrs, a kind (1 host to device, 2 device to host) and a raw
-# stream handle, enqueue one async copy per run, and return the bytes enqueued;
+# stream handle, enqueue an async copy of every run, and return the bytes enqueued;
 # a failed call raises RuntimeError after the runs before it are enqueued.
 
 
@@ -502,10 +502,22 @@ def cuda_memcpy_batch(
     sizes: BufferLike,
     kind: int,
     stream: int,
+    batch_api: bool = True,
 ) -> int:
-    """``cudaMemcpyAsync(dst, src, n, kind, stream)`` per run."""
+    """Every run on ``stream``: one ``cuMemcpyBatchAsync`` where the driver has
+    it (CUDA 12.8+) and ``batch_api``, else ``cudaMemcpyAsync`` per run. The
+    batch matters: a stream queues about 1,000 operations, so behind a busy
+    compute stream a loop of more runs blocks the host (native/device.c)."""
     impl = _device_impl("cuda_memcpy_batch")
-    return int(impl.cuda_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream))
+    return int(
+        impl.cuda_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream, batch_api)
+    )
+
+
+def cuda_copy_api() -> str:
+    """The call the last ``cuda_memcpy_batch`` used: ``cuMemcpyBatchAsync`` or
+    ``cudaMemcpyAsync``."""
+    return str(_device_impl("cuda_copy_api").cuda_copy_api())
 
 
 def acl_memcpy_batch(

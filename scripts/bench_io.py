@@ -51,6 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -210,8 +211,12 @@ def _batch(store, spec, payload, index, blocks):
     return keys, tensors_of(piece, spec, blocks)
 
 
-def bench_read(root: Path, payload: np.ndarray, depth: int) -> tuple[float, float]:
-    """(cold, warm) GB/s of KVStore.read through the engine at ``depth``."""
+def bench_read(
+    root: Path, payload: np.ndarray, depth: int, paths: dict[str, dict[str, int]]
+) -> tuple[float, float]:
+    """(cold, warm) GB/s of KVStore.read through the engine at ``depth``; the
+    bytes each timed phase read O_DIRECT and in one pass from the page cache go
+    into ``paths`` (which path a read took explains its speed)."""
     spec = spec_4mib()
     blocks = 16  # 64 MiB per chunk
     config = StoreConfig(
@@ -230,12 +235,18 @@ def bench_read(root: Path, payload: np.ndarray, depth: int) -> tuple[float, floa
         for timed, cold in ((True, True), (False, False), (True, False)):
             if cold:
                 drop_caches(Path(config.cache_dir))
+            before = store.stats().counters
             start = time.perf_counter()
             for keys in batches:
                 if not all(store.read(keys, out)):
                     raise AssertionError("read missed")
             if timed:
                 speeds.append(payload.nbytes / (time.perf_counter() - start) / 1e9)
+                after = store.stats().counters
+                paths["cold" if cold else "warm"] = {
+                    name: after[name] - before[name]
+                    for name in ("direct_read_bytes", "cached_read_bytes")
+                }
     shutil.rmtree(config.cache_dir)
     return speeds[0], speeds[1]
 
@@ -292,6 +303,7 @@ def table(
 ) -> str:
     """One row per case: GB/s (or ms) and the ratio to its same-run baseline."""
     rows = [(f"{k} (raw)", f"{v:.3f} GB/s", "") for k, v in sorted(raw.items())]
+    paths = cast(dict[str, dict[str, int]], result["read_qd16_paths_last_round"])
     rows += [
         ("put_async, 256 MiB batches", f"{result['put_async_256MiB_gbps']} GB/s",
          f"{result['ring_write_ratio']} of best raw write {best_write:.3f}"),
@@ -303,6 +315,9 @@ def table(
          f"{result['read_qd16_ratio']} of raw qd16 cold {qd16_cold:.3f}"),
         ("KVStore.read qd16 warm", f"{result['read_qd16_warm_gbps']} GB/s",
          f"{result['read_qd16_warm_ratio']} of raw qd16 warm {qd16_warm:.3f}"),
+        ("KVStore.read paths, MiB", "O_DIRECT / cached one-pass",
+         " ".join(f"{phase} {c['direct_read_bytes'] >> 20}/"
+                  f"{c['cached_read_bytes'] >> 20}" for phase, c in paths.items())),
         ("native copy_runs 2048x32KiB", f"{result['native_copy_gbps']} GB/s",
          f"{result['native_copy_ratio']} of numpy.copyto per run "
          f"{result['numpy_copy_gbps']} (numpy.take {result['numpy_take_gbps']})"),
@@ -346,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         async_rates = {256 * MIB: 0.0, 4 * MIB: 0.0}
         latencies: list[float] = []
         read_cold, read_warm = 0.0, 0.0
+        read_paths: dict[str, dict[str, int]] = {}
         for _ in range(rounds):
             for key, value in bench_raw(root, payload, 1).items():
                 raw[key] = max(raw.get(key, 0.0), value)
@@ -354,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 async_rates[batch] = max(async_rates[batch], got)
             _, lat = bench_put_async(root, payload, 64 * MIB, 1 << 30)
             latencies += lat
-            cold, warm = bench_read(root, payload, 16)
+            cold, warm = bench_read(root, payload, 16, read_paths)
             read_cold, read_warm = max(read_cold, cold), max(read_warm, warm)
         copy_native, copy_numpy, copy_take = bench_copy(rounds)
     finally:
@@ -379,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "read_qd16_warm_gbps": round(read_warm, 3),
         "read_qd16_ratio": round(read_cold / qd16_cold, 3),
         "read_qd16_warm_ratio": round(read_warm / qd16_warm, 3),
+        "read_qd16_paths_last_round": read_paths,
         "native_copy_gbps": round(copy_native, 3),
         "numpy_copy_gbps": round(copy_numpy, 3),
         "numpy_take_gbps": round(copy_take, 3),

@@ -4,21 +4,29 @@ A 1 GiB staging ring (npukv_store.io.ring.StagingRing on /dev/shm) is registered
 place with the backend. Two KV caches are built on the GPU, ``--layers`` layers
 each: Ascend-style ``(k, v)`` tuples of ``[B, N, H, D]`` and vLLM's fused
 ``[B, H, N, 2D]``. For each, ``--blocks`` random blocks go D2H into ring rows and
-come back H2D into as many other blocks, along two paths:
+come back H2D into as many other blocks, along three paths:
 
   batch     backend.copy_runs of the runs npukv_store.layout.build_runs computes
             (vLLM's swap_blocks_batch if vLLM is loaded, else the C extension's
-            cudaMemcpyAsync loop)
+            cuMemcpyBatchAsync, one call for all runs): what the connector uses
+  loop      the C extension's cudaMemcpyAsync per run (``batch_api=False``),
+            what copy_runs did before the batch call; for comparison
   per-page  one ``copy_(non_blocking=True)`` per page under stream_ctx: the
-            portable fallback and the baseline of the GB/s ratio
+            portable baseline of the GB/s ratio
+
+A pinning probe first copies 64 MiB each way between the GPU and four kinds of
+host memory (torch pin_memory, a registered anonymous mapping, the registered
+shm ring, pageable numpy) behind a GPU sleep: registered memory must not block.
 
 Each pass follows the ordering protocol (npukv_store.device.ordering) behind a
 GPU sleep of ``--sleep-ms`` on the compute stream that then rewrites the source
 blocks (D2H) or zeroes the destination blocks (H2D): the byte checks fail if a
-copy overtakes the compute stream, and the host did not block if enqueueing
-returned well before the sleep ended (enqueue < half the sleep) while
-``done.synchronize()`` waited for it. Then ``--repeat`` timed passes per path give
-GB/s (CUDA events on the transfer stream; the median is reported).
+copy overtakes the compute stream. The host did not block if, when enqueueing
+returned, the event recorded after the sleep had not completed yet (the copies
+were queued behind the sleep, not waited for); the sleep is calibrated with the
+clocks already raised, and its measured length is reported. Then ``--repeat``
+timed passes per path give GB/s (CUDA events on the transfer stream; the median
+is reported) and the host's enqueue time per run with the GPU idle.
 
 Run: ``python scripts/device_check.py [--json PATH] [--blocks 256] [--repeat 5]``;
 ``--device cpu`` dry-runs the same steps on the CPU backend (no sleep, no
@@ -54,6 +62,8 @@ class Case:
     gbps: float = 0.0
     enqueue_ms: float = 0.0
     done_ms: float = 0.0
+    sleep_ms: float = 0.0  # measured length of the GPU sleep in the ordered pass
+    enqueue_us_per_run: float = 0.0  # host time per run, GPU idle (timed passes)
     host_blocked: bool | None = None
     bytes_ok: bool = False
     ratio: float | None = None  # batch GB/s / per-page GB/s
@@ -115,19 +125,29 @@ class Check:
         dev = self.pages[0].device
         self.src_idx = torch.as_tensor(self.src_blocks, device=dev)
         self.dst_idx = torch.as_tensor(self.dst_blocks, device=dev)
+        self.fresh = [
+            torch.empty(args.blocks, p.shape[1], dtype=torch.uint8, device=dev)
+            for p in self.pages
+        ]
 
-    def _compute_then(self, direction: str, sleep_cycles: int) -> None:
-        """Busy the compute stream, then rewrite sources / zero destinations."""
+    def _compute_then(self, direction: str, sleep_cycles: int) -> tuple[Any, Any]:
+        """Busy the compute stream, then rewrite sources / zero destinations;
+        returns timing events recorded before and after the sleep."""
+        slept_from = self.backend.new_event(timing=True)
+        slept_to = self.backend.new_event(timing=True)
+        slept_from.record(self.backend.current_stream())
         if sleep_cycles:
             self.torch.cuda._sleep(sleep_cycles)
-        for page in self.pages:
+        slept_to.record(self.backend.current_stream())
+        # In-place ops on buffers allocated up front: an allocation here could
+        # synchronise the host with the sleep and void the blocking verdict.
+        for page, fresh in zip(self.pages, self.fresh, strict=True):
             if direction == "d2h":
-                shape = (len(self.src_idx), page.shape[1])
-                page[self.src_idx] = self.torch.randint(
-                    0, 256, shape, dtype=self.torch.uint8, device=page.device
-                )
+                fresh.random_(0, 256)
+                page.index_copy_(0, self.src_idx, fresh)
             else:
-                page[self.dst_idx] = 0
+                page.index_fill_(0, self.dst_idx, 0)
+        return slept_from, slept_to
 
     def _enqueue(self, direction: str, path: str) -> Any:
         b, o = self.backend, self.ordering
@@ -135,6 +155,22 @@ class Check:
             return o.d2h_after(b, o.record_written(b), self.xfer, *self.d2h)
         if path == "batch":
             return o.h2d_after(b, b.current_stream(), self.xfer, *self.h2d)
+        if path == "loop":  # what copy_runs did before cuMemcpyBatchAsync
+            from npukv_store import native
+
+            if direction == "d2h":
+                self.xfer.wait_event(o.record_written(b))
+                src, dst, size = self.d2h
+            else:
+                self.xfer.wait_stream(b.current_stream())
+                src, dst, size = self.h2d
+            kind = 2 if direction == "d2h" else 1
+            native.cuda_memcpy_batch(
+                src, dst, size, kind, self.xfer.raw_handle(), False
+            )
+            done = b.new_event()
+            done.record(self.xfer)
+            return done
         if direction == "d2h":
             self.xfer.wait_event(o.record_written(b))
         else:
@@ -167,20 +203,24 @@ class Check:
         runs = self.d2h if direction == "d2h" else self.h2d
         case = Case("", direction, path, self.args.blocks * self.page_sum, len(runs[2]))
         self.backend.synchronize()
-        self._compute_then(direction, cycles)
+        slept_from, slept_to = self._compute_then(direction, cycles)
         start = time.perf_counter()
         done = self._enqueue(direction, path)
         case.enqueue_ms = (time.perf_counter() - start) * 1e3
+        still_sleeping = not slept_to.query()
         done.synchronize()
         case.done_ms = (time.perf_counter() - start) * 1e3
         case.bytes_ok = self.bytes_ok(direction)
         if cycles:
-            case.host_blocked = case.enqueue_ms > sleep_ms / 2
-        case.gbps = self._bandwidth(direction, path)
+            case.host_blocked = not still_sleeping
+            case.sleep_ms = slept_from.elapsed_ms(slept_to)
+        case.gbps, enqueue_s = self._bandwidth(direction, path)
+        case.enqueue_us_per_run = enqueue_s / case.runs * 1e6
         return case
 
-    def _bandwidth(self, direction: str, path: str) -> float:
-        nbytes, rates = self.args.blocks * self.page_sum, []
+    def _bandwidth(self, direction: str, path: str) -> tuple[float, float]:
+        """Median (GB/s, host enqueue seconds) over the timed passes."""
+        nbytes, rates, enqueues = self.args.blocks * self.page_sum, [], []
         for _ in range(self.args.repeat):
             self.backend.synchronize()
             start_ev = self.backend.new_event(timing=True)
@@ -188,26 +228,88 @@ class Check:
             start_ev.record(self.xfer)
             t0 = time.perf_counter()
             self._enqueue(direction, path)
+            enqueues.append(time.perf_counter() - t0)
             end_ev.record(self.xfer)
             end_ev.synchronize()
             seconds = time.perf_counter() - t0
             if hasattr(start_ev, "elapsed_ms"):
                 seconds = start_ev.elapsed_ms(end_ev) / 1e3
             rates.append(nbytes / seconds / 1e9)
-        return statistics.median(rates)
+        return statistics.median(rates), statistics.median(enqueues)
 
 
 def sleep_cycles(torch: Any, backend: Any, sleep_ms: float) -> int:
     """torch.cuda._sleep cycles lasting about ``sleep_ms`` (0: no sleep here)."""
     if backend.kind != "cuda" or not hasattr(torch.cuda, "_sleep") or sleep_ms <= 0:
         return 0
-    probe = 20_000_000
-    start, end = backend.new_event(timing=True), backend.new_event(timing=True)
-    start.record()
-    torch.cuda._sleep(probe)
-    end.record()
-    end.synchronize()
-    return int(probe * sleep_ms / max(start.elapsed_ms(end), 1e-3))
+    probe = 50_000_000
+    # An idle GPU clocks low (345 MHz against 1980 MHz seen on an H200), so the
+    # first probe runs long; the fastest of several, clocks raised, is the rate.
+    fastest = float("inf")
+    for _ in range(4):
+        start, end = backend.new_event(timing=True), backend.new_event(timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        fastest = min(fastest, start.elapsed_ms(end))
+    return int(probe * sleep_ms / max(fastest, 1e-3))
+
+
+def pinning_probe(torch: Any, backend: Any, ring: Any, cycles: int) -> dict:
+    """Does a copy between the GPU and each kind of host buffer return to the
+    host at once, or wait for the stream's earlier work (what the driver does
+    for pageable memory: D2H returns when the copy is done)? 64 MiB each way,
+    behind a GPU sleep on the compute stream, through torch's copy_ and the
+    backend's copy_runs. Returns {buffer: {path direction: enqueue ms, and
+    whether the sleep was still running when it returned}}."""
+    import mmap
+
+    nbytes = 64 * MIB
+    device_buf = torch.empty(nbytes, dtype=torch.uint8, device=backend.device)
+    anon = mmap.mmap(-1, nbytes)
+    anon_np = np.frombuffer(anon, dtype=np.uint8)
+    anon_region = backend.register_host(int(anon_np.ctypes.data), nbytes)
+    hosts = {
+        "torch pin_memory": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+        "anon mmap, registered": torch.from_numpy(anon_np),
+        "shm ring, registered": torch.from_numpy(ring.data[:nbytes]),
+        "pageable numpy": torch.from_numpy(np.empty(nbytes, dtype=np.uint8)),
+    }
+    xfer = backend.new_stream()
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for name, host in hosts.items():
+            row: dict[str, Any] = {"is_pinned": bool(host.is_pinned())}
+            for path in ("copy_", "copy_runs"):
+                for direction in ("d2h", "h2d"):
+                    backend.synchronize()
+                    torch.cuda._sleep(cycles)
+                    slept = backend.new_event()
+                    slept.record(backend.current_stream())
+                    start = time.perf_counter()
+                    xfer.wait_event(slept)
+                    src, dst = (device_buf, host) if direction == "d2h" else (
+                        host, device_buf)  # fmt: skip
+                    if path == "copy_":
+                        with backend.stream_ctx(xfer):
+                            dst.copy_(src, non_blocking=True)
+                    else:
+                        backend.copy_runs(
+                            np.array([src.data_ptr()], dtype=np.int64),
+                            np.array([dst.data_ptr()], dtype=np.int64),
+                            np.array([nbytes], dtype=np.int64), direction, xfer,
+                        )  # fmt: skip
+                    enqueue_ms = (time.perf_counter() - start) * 1e3
+                    row[f"{path} {direction}"] = {
+                        "enqueue_ms": round(enqueue_ms, 2),
+                        "returned_during_sleep": not slept.query(),
+                    }
+                    backend.synchronize()
+            out[name] = row
+    finally:
+        anon_region.close()  # the mapping itself goes with the last view of it
+    return out
 
 
 def open_ring(size: int, directory: str) -> Any:
@@ -223,11 +325,10 @@ def open_ring(size: int, directory: str) -> Any:
 
 def print_table(cases: list[Case]) -> None:
     head = ("layout", "dir", "path", "MiB", "runs", "GB/s", "x page", "enq ms",
-            "done ms", "blocked", "bytes")  # fmt: skip
+            "done ms", "sleep ms", "us/run", "blocked", "bytes")  # fmt: skip
     print(
-        ("{:<10} {:<4} {:<8} {:>6} {:>5} {:>7} {:>6} {:>7} {:>8} {:>7} {:>5}").format(
-            *head
-        )
+        "{:<10} {:<4} {:<8} {:>6} {:>5} {:>7} {:>6} {:>7} {:>8} {:>8} {:>6} "
+        "{:>7} {:>5}".format(*head)
     )
     for c in cases:
         ratio = f"{c.ratio:.2f}" if c.ratio is not None else "-"
@@ -235,7 +336,8 @@ def print_table(cases: list[Case]) -> None:
         print(
             f"{c.layout:<10} {c.direction:<4} {c.path:<8} {c.bytes / MIB:>6.0f} "
             f"{c.runs:>5} {c.gbps:>7.2f} {ratio:>6} {c.enqueue_ms:>7.2f} "
-            f"{c.done_ms:>8.2f} {blocked:>7} {'ok' if c.bytes_ok else 'BAD':>5}"
+            f"{c.done_ms:>8.2f} {c.sleep_ms:>8.1f} {c.enqueue_us_per_run:>6.1f} "
+            f"{blocked:>7} {'ok' if c.bytes_ok else 'BAD':>5}"
         )
 
 
@@ -297,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         f"device {result['device']}, torch {torch.__version__}, ring {result['ring']}"
     )
     cycles = sleep_cycles(torch, backend, args.sleep_ms)
+    if cycles:
+        result["pinning_probe"] = pinning_probe(torch, backend, ring, cycles)
+        for name, row in result["pinning_probe"].items():
+            print(f"{name:<24} {row}")
     cases: list[Case] = []
     try:
         for kind in ("tuple", "fused"):
@@ -304,22 +410,41 @@ def main(argv: list[str] | None = None) -> int:
             rng = np.random.default_rng(len(cases))
             check = Check(torch, backend, ordering, ring, layers, args, rng)
             for direction in ("d2h", "h2d"):
-                pair = [
-                    check.run(direction, p, args.sleep_ms, cycles)
-                    for p in ("per-page", "batch")
-                ]
-                pair[1].ratio = pair[1].gbps / pair[0].gbps
-                for case in pair:
+                paths = ["per-page", "batch"]
+                if args.device == "cuda":
+                    paths.insert(1, "loop")
+                row = [check.run(direction, p, args.sleep_ms, cycles) for p in paths]
+                for case in row:
                     case.layout = kind
-                cases += pair
+                    if case.path != "per-page":
+                        case.ratio = case.gbps / row[0].gbps
+                cases += row
+                if args.device == "cuda":
+                    from npukv_store import native
+
+                    result["cuda_copy_api"] = native.cuda_copy_api()
             del check, layers
     finally:
         region.close()
         ring.close()
     print_table(cases)
+    # Which libcudart files the process maps once the copies ran: the C
+    # extension's copies must share torch's runtime (one file), not a second one.
+    with open("/proc/self/maps") as maps:
+        result["libcudart_mapped"] = sorted(
+            {line.split()[-1] for line in maps if "libcudart" in line}
+        )
+    print(f"libcudart mapped: {result['libcudart_mapped']}")
+    if "cuda_copy_api" in result:
+        print(f"copy_runs used: {result['cuda_copy_api']}")
     failed = [f"{c.layout} {c.direction} {c.path}" for c in cases if not c.bytes_ok]
+    # Only the batch path is what the connector uses. The loop and per-page
+    # copies are baselines: one queued operation per run, so past the ~1,000 a
+    # stream holds they block the host behind a busy compute stream.
     failed += [
-        f"{c.layout} {c.direction} {c.path} blocked" for c in cases if c.host_blocked
+        f"{c.layout} {c.direction} {c.path} blocked"
+        for c in cases
+        if c.host_blocked and c.path == "batch"
     ]
     if args.device == "cuda" and not region_registered:
         failed.append("cudaHostRegister of the ring (see the warning above)")

@@ -266,6 +266,7 @@ def test_runtime_calls_without_the_extension_raise_enosys(monkeypatch):
         lambda: native.acl_host_register(4096, 4096, 0),
         lambda: native.acl_host_unregister(4096),
         native.cuda_get_last_error,
+        native.cuda_copy_api,
     ):
         with pytest.raises(OSError, match="needs the C extension") as info:
             call()
@@ -703,3 +704,49 @@ def test_cuda_round_trip_through_a_registered_host_buffer():
         assert torch.equal(cache[12:16], cache[blocks])
     finally:
         region.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible")
+@pytest.mark.parametrize("batch_api", [True, False])
+def test_cuda_many_runs_batch_and_loop_copy_the_same_bytes(batch_api):
+    """2,048 scattered runs each way, as one cuMemcpyBatchAsync where the driver
+    has it (the call used is reported) and as the cudaMemcpyAsync loop."""
+    import ctypes
+
+    backend = get_backend("cuda")
+    backend.bind_thread()
+    run, count = 4096, 2048
+    cache = torch.randint(
+        0, 256, (2 * count, run), dtype=torch.uint8, device=backend.device
+    )
+    host = np.zeros(count * run, dtype=np.uint8)
+    region = backend.register_host(addr(host), host.nbytes)
+    order = np.random.default_rng(7).permutation(count)
+    stream = torch.cuda.Stream()
+    try:
+        native.cuda_memcpy_batch(
+            ptrs(cache[int(b)].data_ptr() for b in order),
+            ptrs(addr(host, i * run) for i in range(count)),
+            ptrs([run] * count), 2, stream.cuda_stream, batch_api,
+        )  # fmt: skip
+        stream.synchronize()
+        expected = cache[torch.as_tensor(order, device=backend.device)].cpu().numpy()
+        assert np.array_equal(host.reshape(count, run), expected)
+        native.cuda_memcpy_batch(
+            ptrs(addr(host, i * run) for i in range(count)),
+            ptrs(cache[count + i].data_ptr() for i in range(count)),
+            ptrs([run] * count), 1, stream.cuda_stream, batch_api,
+        )  # fmt: skip
+        stream.synchronize()
+        assert torch.equal(cache[count:], cache[torch.as_tensor(order).cuda()])
+    finally:
+        region.close()
+    driver = ctypes.CDLL("libcuda.so.1")
+    has_batch = any(
+        hasattr(driver, name)
+        for name in ("cuMemcpyBatchAsync_v2", "cuMemcpyBatchAsync")
+    )
+    expected_api = (
+        "cuMemcpyBatchAsync" if batch_api and has_batch else "cudaMemcpyAsync"
+    )
+    assert native.cuda_copy_api() == expected_api
