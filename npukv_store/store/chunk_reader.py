@@ -65,6 +65,10 @@ _MAX_IOVECS = 64
 #: 15.0 GB/s on 1, 4 and 8 threads (docs/design.md §16); past 8 the gain is
 #: small and the serving process needs its cores.
 _VERIFY_THREADS = max(1, min(8, os.cpu_count() or 1))
+#: Chunks of one read call in flight at once: the next chunk's header read and
+#: requests overlap this one's last completions and checksums (docs/design.md
+#: §17).
+_CHUNKS_IN_FLIGHT = 2
 
 
 class ChunkReader:
@@ -95,6 +99,7 @@ class ChunkReader:
         self._engines = threading.local()  # one engine per reading thread
         self._all_engines: list[IOEngine] = []
         self._verify_pool: ThreadPoolExecutor | None = None
+        self._chunk_pool: ThreadPoolExecutor | None = None
         self._corrupt: set[int] = set()  # chunk ids found corrupt, for the store
         self._read_before: OrderedDict[int, None] = OrderedDict()
 
@@ -128,7 +133,31 @@ class ChunkReader:
             self._read_before.clear()
             self._all_engines = []
             self._verify_pool = None  # its thread did not survive the fork
+            self._chunk_pool = None
         self._engines = threading.local()
+
+    def read_chunks(
+        self,
+        chunks: list[tuple[int, list[Item]]],
+        keys: Sequence[bytes],
+        layers: list[int],
+        dest: dict[str, np.ndarray],
+    ) -> list[list[int]]:
+        """``read_rows`` of each ``(chunk id, items)``, up to _CHUNKS_IN_FLIGHT
+        chunks at once; per chunk, the verified key indices."""
+        if len(chunks) <= 1 or _CHUNKS_IN_FLIGHT <= 1:
+            return [self.read_rows(c, items, keys, layers, dest) for c, items in chunks]
+        with self._lock:
+            if self._chunk_pool is None:
+                self._chunk_pool = ThreadPoolExecutor(
+                    _CHUNKS_IN_FLIGHT, thread_name_prefix="npukv-read"
+                )
+            pool = self._chunk_pool
+        futures = [
+            pool.submit(self.read_rows, c, items, keys, layers, dest)
+            for c, items in chunks
+        ]
+        return [future.result() for future in futures]
 
     def read_rows(
         self,
@@ -304,11 +333,13 @@ class ChunkReader:
         """Release the engines of every thread that read, and the verifier."""
         with self._lock:
             engines, self._all_engines = self._all_engines, []
-            pool, self._verify_pool = self._verify_pool, None
+            pools = [self._chunk_pool, self._verify_pool]
+            self._chunk_pool = self._verify_pool = None
+        for pool in pools:  # chunk readers first: they submit to the verifier
+            if pool is not None:
+                pool.shutdown(wait=True)
         for engine in engines:
             engine.close()
-        if pool is not None:
-            pool.shutdown(wait=True)
         self._engines = threading.local()
 
     def _bad_rows(

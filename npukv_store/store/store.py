@@ -418,8 +418,10 @@ class KVStore:
         for i, loc in enumerate(self.index.locate(keys)):
             if loc is not None:
                 by_chunk.setdefault(loc[0], []).append((i, loc[1]))
-        for chunk_id, items in by_chunk.items():
-            good = self._reader.read_rows(chunk_id, items, keys, layers, dest)
+        chunks = list(by_chunk.items())
+        for (chunk_id, _), good in zip(
+            chunks, self._reader.read_chunks(chunks, keys, layers, dest), strict=True
+        ):
             if good:
                 self.touches.note_chunk(chunk_id)
             for i in good:

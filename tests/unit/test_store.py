@@ -231,3 +231,48 @@ def test_concurrent_first_open_of_a_fresh_directory(tmp_path, spec):
         for thread in threads:
             thread.join()
         assert errors == []
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 4])
+def test_one_read_over_many_chunks_misses_only_the_corrupt_rows(
+    tmp_path, spec, monkeypatch, in_flight
+):
+    """A read spanning six chunks (keys interleaved across them) goes through
+    several chunks at once; a corrupt row in one chunk is a miss for its key
+    only, every other row comes back exact, and that chunk is quarantined."""
+    from npukv_store.store import chunk_reader
+
+    monkeypatch.setattr(chunk_reader, "_CHUNKS_IN_FLIGHT", in_flight)
+    config = StoreConfig(cache_dir=str(tmp_path / "c"), capacity="64MiB")
+    with KVStore(config, spec) as store:
+        keys = []
+        for prompt in range(6):
+            chunk_keys, result = put_prompt(
+                store, range(1000 * prompt, 1000 * prompt + 48)
+            )
+            assert result.stored == 3
+            keys += chunk_keys
+        victim_chunk = store.index.locate([keys[7]])[0][0]
+        path = store.dir.chunk_path(store.namespace, victim_chunk)
+        with open(path, "r+b") as handle:  # last byte: the last row of the last tensor
+            handle.seek(-1, os.SEEK_END)
+            last = handle.read(1)
+            handle.seek(-1, os.SEEK_END)
+            handle.write(bytes([last[0] ^ 0xFF]))
+        victim_keys = {k for k in keys if store.index.locate([k])[0][0] == victim_chunk}
+        order = np.random.default_rng(in_flight).permutation(len(keys))
+        shuffled = [keys[i] for i in order]
+        out = empty_like_blocks(spec, len(shuffled))
+        ok = store.read(shuffled, out)
+        misses = {k for k, hit in zip(shuffled, ok, strict=True) if not hit}
+        assert len(misses) == 1
+        assert misses <= victim_keys
+        expected = block_tensors(spec, shuffled)
+        for name, array in expected.items():
+            for row, hit in enumerate(ok):
+                if hit:
+                    np.testing.assert_array_equal(out[name][row], array[row])
+        assert store.stats().counters["quarantined_chunks"] == 1
+        assert store.lookup(keys) == 6  # the victim's blocks are gone from the index
+        assert not os.path.exists(path)
+        assert store.check(verify_data=True) == []
