@@ -30,8 +30,10 @@ written and read back in batches of 64 MiB. Measured in one run:
             whole prefix, however many chunks it spans) and of the raw read
             (one stream over the file). The store reads two chunks at once in
             such a call. Since 2026-11-29 ``read_cold_ratio``/
-            ``read_warm_ratio`` are this row's; the per-64 MiB-call ratios stay
-            in the JSON as ``read_cold_ratio_per_batch``/``..._per_batch``.
+            ``read_warm_ratio`` and the read comparisons with safetensors and
+            LMDB in ``targets_met`` are this row's; the per-64 MiB-call figures
+            stay in the JSON (``read_cold_ratio_per_batch``,
+            ``read_warm_ratio_per_batch``, ``per_batch_read_cold_faster``).
   st/block  one safetensors file per 2 MiB block (vLLM ExampleConnector style):
             ``save_file`` + fsync of each file + one dir fsync per 64 MiB; read
             with ``load_file`` and copied into the preallocated buffer.
@@ -735,9 +737,14 @@ def results_json(
         "read_cold_ratio>=0.8": cold_ratio >= 0.8,
         "lookup256_us_p50<=100": lookup[0] <= 100,
         "ours>safetensors_write": speed("ours", WRITE) > speed("st", WRITE),
-        "ours>safetensors_read_cold": speed("ours", COLD) > speed("st", COLD),
+        "ours>safetensors_read_cold": speed("ours_onecall", COLD) > speed("st", COLD),
         "ours>lmdb_write": speed("ours", WRITE) > speed("lmdb", WRITE),
-        "ours>lmdb_read_cold": speed("ours", COLD) > speed("lmdb", COLD),
+        "ours>lmdb_read_cold": speed("ours_onecall", COLD) > speed("lmdb", COLD),
+    }
+    # the same comparisons for one read call per 64 MiB batch
+    out["per_batch_read_cold_faster"] = {
+        "ours>safetensors": speed("ours", COLD) > speed("st", COLD),
+        "ours>lmdb": speed("ours", COLD) > speed("lmdb", COLD),
     }
     return out
 
