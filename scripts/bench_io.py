@@ -20,7 +20,9 @@ Measured in one run, on the same random payload:
   producer  latency of put_async itself (reserve + copy into the ring + commit)
             for 64 MiB batches, p50 and p99 in ms, while the writer is busy.
   read      KVStore.read of the same chunks through the engine at queue depth
-            16, cold (the first read of each chunk: O_DIRECT where uncached)
+            16, cold (the first read of each chunk: O_DIRECT where uncached;
+            the one-call cold read is drawn once per raw QD16 cold variant per
+            round, so both sides of the ratio are a best of as many draws)
             and warm (after one untimed read, which admits the chunks to the
             page cache), verified. Two call shapes: one read of all the keys
             (the headline: like the raw baseline, one stream over the payload,
@@ -217,13 +219,21 @@ def _batch(store, spec, payload, index, blocks):
 
 
 def bench_read(
-    root: Path, payload: np.ndarray, depth: int, paths: dict[str, dict[str, int]]
+    root: Path,
+    payload: np.ndarray,
+    depth: int,
+    paths: dict[str, dict[str, int]],
+    cold_draws: int = 1,
 ) -> dict[str, float]:
     """GB/s of KVStore.read through the engine at ``depth``: keys ``cold`` and
     ``warm`` (one call for all keys) and ``cold_per_chunk``/``warm_per_chunk``
     (one call per 64 MiB chunk); the bytes each timed one-call phase read
     O_DIRECT and in one pass from the page cache go into ``paths`` (which path
-    a read took explains its speed)."""
+    a read took explains its speed). The one-call cold read is drawn
+    ``cold_draws`` times (best kept), each on a fresh handle after a cache
+    drop: as many draws as the raw QD16 cold baseline has variants per round,
+    so the best-of comparison is not biased towards the side with more draws
+    on this noisy disk."""
     spec = spec_4mib()
     blocks = 16  # 64 MiB per chunk
     config = StoreConfig(
@@ -239,6 +249,16 @@ def bench_read(
     all_keys = [key for keys in batches for key in keys]
     all_out = tensors_of(aligned_buffer(payload.nbytes), spec, len(all_keys))
     speeds: dict[str, float] = {}
+    for _ in range(cold_draws - 1):  # extra one-call cold draws
+        with KVStore(config, spec) as store:
+            drop_caches(Path(config.cache_dir))
+            start = time.perf_counter()
+            if not all(store.read(all_keys, all_out)):
+                raise AssertionError("read missed")
+            seconds = time.perf_counter() - start
+            speeds["cold"] = max(
+                speeds.get("cold", 0.0), payload.nbytes / seconds / 1e9
+            )
     for per_chunk in (False, True):
         suffix = "_per_chunk" if per_chunk else ""
         calls = [(keys, chunk_out) for keys in batches] if per_chunk else [
@@ -257,9 +277,8 @@ def bench_read(
                         raise AssertionError("read missed")
                 if phase == "admit":
                     continue
-                speeds[phase + suffix] = (
-                    payload.nbytes / (time.perf_counter() - start) / 1e9
-                )
+                rate = payload.nbytes / (time.perf_counter() - start) / 1e9
+                speeds[phase + suffix] = max(speeds.get(phase + suffix, 0.0), rate)
                 if not per_chunk:
                     after = store.stats().counters
                     paths[phase] = {
@@ -395,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                 async_rates[batch] = max(async_rates[batch], got)
             _, lat = bench_put_async(root, payload, 64 * MIB, 1 << 30)
             latencies += lat
-            for key, value in bench_read(root, payload, 16, read_paths).items():
+            draws = 2 * len(engines())  # the raw QD16 cold variants per round
+            for key, value in bench_read(root, payload, 16, read_paths, draws).items():
                 reads[key] = max(reads.get(key, 0.0), value)
         copy_native, copy_numpy, copy_take = bench_copy(rounds)
     finally:
