@@ -2,14 +2,8 @@
 # vLLM (CPU build) and the package with its [test] extras (building the C extension).
 # Idempotent. Leaves PY pointing at the venv's python.
 PYTHON=${PYTHON:-python3}
-# The xxhash C header lets the extension verify checksums without the GIL.
-# Best effort: without it the build still works and a Python twin is used.
-if [ ! -f /usr/include/xxhash.h ] && command -v apt-get >/dev/null \
-        && [ "$(id -u)" = 0 ]; then
-    { apt-get install -y -qq libxxhash-dev || { apt-get update -qq \
-        && apt-get install -y -qq libxxhash-dev; }; } >/dev/null 2>&1 \
-        || echo "note: libxxhash-dev not installed; checksums use the Python twin"
-fi
+# No system packages needed: the C extension's one header dependency (xxhash.h)
+# ships in native/third_party for machines without libxxhash-dev.
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi

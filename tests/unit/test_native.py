@@ -134,10 +134,11 @@ def test_pread_rows_xxh3_reads_and_hashes_in_one_pass(impl, tmp_path):
     assert closed.value.errno == errno.EBADF
 
 
-def test_native_checksums_are_built_where_the_header_is():
-    """setup.py builds xxh3_rows when xxhash.h exists (setup_env.sh installs
-    libxxhash-dev); a silent fallback would hide a slow verify path."""
+def test_native_checksums_are_always_built():
+    """xxhash.h ships in native/third_party, so every build has the GIL-free
+    checksums (built without it, the H200 host's warm reads ran 3.5x slower on
+    the Python twin); a silent fallback would hide a slow verify path."""
     from npukv_store import _native
 
-    header = any(os.path.exists(f"{d}/xxhash.h") for d in ("/usr/include",))
-    assert hasattr(_native, "xxh3_rows") == header
+    assert hasattr(_native, "xxh3_rows")
+    assert hasattr(_native, "pread_rows_xxh3")
