@@ -13,7 +13,9 @@ SOURCES += ["ptrs.c", "device.c"]  # raw-address copies; CUDA/ACL calls (dlopen)
 # cached chunks 3.5x slower (measured on a 16-core host; docs/design.md §16).
 SYSTEM_DIRS = ["/usr/include", "/usr/local/include"]
 SYSTEM_DIRS += [d for d in os.getenv("CPATH", "").split(":") if d]
-HAVE_SYSTEM_XXHASH = any(os.path.exists(os.path.join(d, "xxhash.h")) for d in SYSTEM_DIRS)
+HAVE_SYSTEM_XXHASH = any(
+    os.path.isfile(os.path.join(d, "xxhash.h")) for d in SYSTEM_DIRS
+)
 
 setup(
     ext_modules=[
