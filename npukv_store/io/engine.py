@@ -85,14 +85,26 @@ class IOEngine(ABC):
     def stream(self, requests: Sequence[IORequest]) -> Iterator[Completion]:
         """Do all ``requests`` with at most ``queue_depth`` in flight, yielding
         completions as they arrive (so callers can work on early ones while the
-        rest are at the disk)."""
+        rest are at the disk).
+
+        A consumer that stops early (an exception in its loop, a ``break``)
+        closes the generator: the requests still in flight are then waited for
+        and their completions dropped, and the ones not yet submitted never
+        are. Left running, they would write into the caller's buffers after it
+        has given up on them (a KV page being recomputed, say), and their
+        completions would reach the next caller of this engine."""
         pending = list(requests)
-        while pending or self.in_flight:
-            room = self.queue_depth - self.in_flight
-            if pending and room > 0:
-                self.submit(pending[:room])
-                pending = pending[room:]
-            yield from self.reap(1)
+        try:
+            while pending or self.in_flight:
+                room = self.queue_depth - self.in_flight
+                if pending and room > 0:
+                    self.submit(pending[:room])
+                    pending = pending[room:]
+                yield from self.reap(1)
+        finally:
+            while self.in_flight:
+                for _ in self.reap(1):
+                    pass
 
     def run(self, requests: Sequence[IORequest]) -> list[Completion]:
         """Do all ``requests``; their completions in completion order."""

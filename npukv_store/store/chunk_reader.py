@@ -33,7 +33,8 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TypeVar
 
 import numpy as np
 
@@ -52,6 +53,7 @@ _HEADER_CACHE_ENTRIES = 1024  # chunk files are immutable and ids never reused
 _READ_BEFORE_ENTRIES = 65536  # chunk ids read once: the page-cache admission set
 Segment = tuple[int, int, int, np.ndarray]  # (file offset, first key, rows, dest)
 Item = tuple[int, int]  # (key index, chunk row)
+T = TypeVar("T")
 #: Layers are read in file order: SEQUENTIAL doubles the readahead window of each
 #: freshly opened chunk (measured +10-15% cold, docs/design.md §13).
 _ADVICE = os.POSIX_FADV_SEQUENTIAL
@@ -159,7 +161,7 @@ class ChunkReader:
             pool.submit(self.read_rows, c, items, keys, layers, dest)
             for c, items in chunks
         ]
-        return [future.result() for future in futures]
+        return _all_results(futures)
 
     def read_rows(
         self,
@@ -290,25 +292,30 @@ class ChunkReader:
             for tag, group in enumerate(groups)
         ]
         failed: set[int] = set()
-        for done in self._engine().stream(requests):
-            moved = done.result  # bytes, filling the group's segments in order
-            for index in groups[done.tag]:
-                pos, (_, first, count, buffer) = owners[index]
-                if moved < buffer.nbytes:  # short read (truncated file) or -errno
-                    failed.update(range(first, first + count))
-                moved -= buffer.nbytes
-                remaining[pos] -= 1
-                if remaining[pos] == 0 and self._verify:
-                    # On the verifier thread (GIL-free C): this thread goes on
-                    # reaping and submitting, so the disk never waits for a
-                    # checksum.
-                    checks.append(
-                        self._verifier().submit(
-                            self._bad_rows, header, items, layers[pos], dest, sums
+        try:
+            for done in self._engine().stream(requests):
+                moved = done.result  # bytes, filling the group's segments in order
+                for index in groups[done.tag]:
+                    pos, (_, first, count, buffer) = owners[index]
+                    if moved < buffer.nbytes:  # short read (truncated file) or -errno
+                        failed.update(range(first, first + count))
+                    moved -= buffer.nbytes
+                    remaining[pos] -= 1
+                    if remaining[pos] == 0 and self._verify:
+                        # On the verifier thread (GIL-free C): this thread goes on
+                        # reaping and submitting, so the disk never waits for a
+                        # checksum.
+                        checks.append(
+                            self._verifier().submit(
+                                self._bad_rows, header, items, layers[pos], dest, sums
+                            )
                         )
-                    )
-        for check in checks:
-            failed |= check.result()
+        finally:
+            # the cached layers' reads write into ``dest``: never leave one
+            # running behind an exception
+            wait(checks)
+        for bad in _all_results(checks):
+            failed |= bad
         return [i for i, _ in items if i not in failed]
 
     def _verifier(self) -> ThreadPoolExecutor:
@@ -511,6 +518,14 @@ class _ChunkFiles:
         os.close(self.fd)
         if self.direct_fd is not None:
             os.close(self.direct_fd)
+
+
+def _all_results(futures: Sequence[Future[T]]) -> list[T]:
+    """Every future's result, in order. All of them finish before an exception
+    (the first one) is raised: a task still running would go on writing into
+    the caller's buffers after the call that owns them has failed."""
+    wait(futures)
+    return [future.result() for future in futures]
 
 
 def _file_adjacent_groups(

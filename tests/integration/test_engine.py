@@ -200,6 +200,33 @@ def test_many_requests_in_flight(engine, data_file):
         )
 
 
+def give_up_after_one(completions) -> None:
+    for _ in completions:
+        raise RuntimeError("consumer gave up")
+
+
+def test_a_stream_stopped_early_leaves_nothing_in_flight(engine, data_file):
+    """A consumer that raises after the first completion: the requests still
+    in flight finish before the exception leaves the loop, the rest are never
+    submitted, and the next run gets only its own completions."""
+    path, content = data_file
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        first = [read(fd, tag * 4096, 4096, tag) for tag in range(64)]
+        with pytest.raises(RuntimeError, match="consumer gave up"):
+            give_up_after_one(engine.stream(first))
+        assert engine.in_flight == 0
+        done = [r for r in first if bytes(r.buffer) != bytes(4096)]
+        assert QUEUE_DEPTH <= len(done) < len(first)  # the rest never went out
+        for request in done:
+            offset = request.offset
+            assert bytes(request.buffer) == content[offset : offset + 4096]
+        second = [read(fd, 0, 100, 1000 + tag) for tag in range(3)]
+        assert sorted(c.tag for c in engine.run(second)) == [1000, 1001, 1002]
+    finally:
+        os.close(fd)
+
+
 def test_submit_beyond_queue_depth(engine, data_file):
     """io_uring refuses the batch (nothing is submitted); threads queue it."""
     path, _ = data_file

@@ -276,3 +276,34 @@ def test_one_read_over_many_chunks_misses_only_the_corrupt_rows(
         assert store.lookup(keys) == 6  # the victim's blocks are gone from the index
         assert not os.path.exists(path)
         assert store.check(verify_data=True) == []
+
+
+def test_a_failed_read_task_raises_only_after_the_others_finished():
+    """Reads of other chunks and of cached layers write into the caller's
+    buffers: when one task fails, the call must not return (raise) while
+    another is still writing."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from npukv_store.store.chunk_reader import _all_results
+
+    release = threading.Event()
+    finished = []
+
+    def writer(i):
+        release.wait(5)
+        time.sleep(0.05)  # still writing when the failure is already known
+        finished.append(i)
+        return i
+
+    def failing():
+        release.set()  # the writers are still running when this one raises
+        raise OSError("one chunk failed")
+
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(writer, 1), pool.submit(writer, 2)]
+        futures.insert(0, pool.submit(failing))
+        with pytest.raises(OSError, match="one chunk failed"):
+            _all_results(futures)
+        assert sorted(finished) == [1, 2]
