@@ -22,7 +22,11 @@ it to the page cache, so hot prefixes become warm hits while KV read once does
 not push other data out of memory (docs/design.md §12). Ranges the cache holds
 are always copied from it: a layer wholly in the cache is read and checksummed
 in one pass over memory (``native.pread_rows_xxh3``) on the verifier threads,
-not through the engine (docs/design.md §13).
+not through the engine (docs/design.md §13). Layers read buffered that the
+cache does not wholly hold are streamed the same way, by one thread in file
+order, with kernel readahead ahead of it (docs/design.md §19): the engine then
+carries only O_DIRECT reads, and buffered ones whose layer is cached but not
+verified.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from npukv_store.errors import FormatError
 from npukv_store.io.direct import DIRECT_ALIGN_BYTES, open_direct
 from npukv_store.io.engine import READ, IOEngine, IORequest, make_engine
 from npukv_store.spec import NamespaceSpec
+from npukv_store.store.arrays import DestRows
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import ChunkHeader, layer_checksums, parse_header
 from npukv_store.store.stats import StoreCounters
@@ -69,6 +74,9 @@ _MAX_IOVECS = 64
 #: cores: on this 2-core VM 4 threads read warm 1 GiB calls at median 6.56 and
 #: 6.85 GB/s against 6.03 and 6.47 with 2 (two A/B runs, 5 rounds each).
 _VERIFY_THREADS = min(8, max(4, os.cpu_count() or 1))
+#: Stream layers read buffered and not wholly cached (docs/design.md §19);
+#: False sends them through the engine, as before (kept for A/B runs and tests).
+_STREAM_UNCACHED = True
 #: Chunks of one read call in flight at once: the next chunk's header read and
 #: requests overlap this one's last completions and checksums (docs/design.md
 #: §17).
@@ -145,7 +153,7 @@ class ChunkReader:
         chunks: list[tuple[int, list[Item]]],
         keys: Sequence[bytes],
         layers: list[int],
-        dest: dict[str, np.ndarray],
+        dest: dict[str, DestRows],
     ) -> list[list[int]]:
         """``read_rows`` of each ``(chunk id, items)``, up to _CHUNKS_IN_FLIGHT
         chunks at once; per chunk, the verified key indices."""
@@ -169,7 +177,7 @@ class ChunkReader:
         items: list[Item],
         keys: Sequence[bytes],
         layers: list[int],
-        dest: dict[str, np.ndarray],
+        dest: dict[str, DestRows],
     ) -> list[int]:
         """Read ``items`` of one chunk into ``dest``; returns verified key indices.
 
@@ -216,14 +224,15 @@ class ChunkReader:
         header: ChunkHeader,
         items: list[Item],
         layers: list[int],
-        dest: dict[str, np.ndarray],
+        dest: dict[str, DestRows],
     ) -> list[int]:
         """Read and verify every requested layer. Layers wholly in the page
-        cache are read and hashed in one pass on the verifier threads; the
-        others go through the engine (queue_depth requests in flight, O_DIRECT
-        where ``files`` picks it) and each is verified as soon as its last read
-        completes, so checksums of early layers overlap the disk reading later
-        ones."""
+        cache are read and hashed in one pass on the verifier threads; other
+        layers read buffered are streamed in file order by one thread; the
+        rest (O_DIRECT where ``files`` picks it) go through the engine,
+        queue_depth requests in flight, and each such layer is verified as soon
+        as its last read completes, so checksums of early layers overlap the
+        disk reading later ones."""
         plans = [_segments(header, items, li, dest) for li in layers]
         found_shares = files.cached_shares([seg for plan in plans for seg in plan])
         # unknown (no mmap): treat as uncached, as before residency was asked
@@ -235,6 +244,7 @@ class ChunkReader:
         owners: list[tuple[int, Segment]] = []  # request tag -> (layer pos, segment)
         owner_shares: list[float] = []
         remaining = []
+        cached_layers: set[int] = set()
         seen = 0
         for pos, plan in enumerate(plans):
             plan_shares = shares[seen : seen + len(plan)]
@@ -257,6 +267,8 @@ class ChunkReader:
                 )
                 remaining.append(0)
                 continue
+            if cached:  # unverified: the engine's workers copy it in parallel
+                cached_layers.add(pos)
             remaining.append(len(plan))
             owners.extend((pos, segment) for segment in plan)
             owner_shares.extend(plan_shares.tolist())
@@ -268,6 +280,27 @@ class ChunkReader:
             # some ranges are read buffered after all (unaligned destination,
             # mostly cached): give them back the readahead RANDOM took away
             os.posix_fadvise(files.fd, 0, 0, _ADVICE)
+        # Layers read buffered and not wholly cached are streamed: one thread
+        # reads them in file order and hashes each piece as it arrives, and
+        # kernel readahead keeps the disk busy ahead of it. Through the engine
+        # (queue_depth buffered reads at once) they ran about 2x slower cold
+        # on this VM's disk (docs/design.md §19).
+        buffered = {pos for pos, _ in owners} - cached_layers
+        if not _STREAM_UNCACHED:
+            buffered.clear()
+        buffered -= {
+            pos for fd, (pos, _) in zip(fds, owners, strict=True) if fd != files.fd
+        }
+        streamed = sorted(buffered, key=lambda pos: plans[pos][0][0])
+        if streamed:
+            kept = [i for i, (pos, _) in enumerate(owners) if pos not in buffered]
+            owners = [owners[i] for i in kept]
+            fds = [fds[i] for i in kept]
+        stream_task = (
+            files.fd, header, items, [layers[p] for p in streamed], dest, sums
+        )  # fmt: skip
+        if streamed and owners:  # the engine reads the rest meanwhile
+            checks.append(self._verifier().submit(self._stream_layers, *stream_task))
         if files.direct_fd is not None:
             self._counters.add(
                 direct_read_bytes=sum(
@@ -293,6 +326,8 @@ class ChunkReader:
         ]
         failed: set[int] = set()
         try:
+            if streamed and not owners:  # nothing for the engine: stream here
+                failed |= self._stream_layers(*stream_task)
             for done in self._engine().stream(requests):
                 moved = done.result  # bytes, filling the group's segments in order
                 for index in groups[done.tag]:
@@ -356,7 +391,7 @@ class ChunkReader:
         header: ChunkHeader,
         items: list[Item],
         li: int,
-        dest: dict[str, np.ndarray],
+        dest: dict[str, DestRows],
         sums: np.ndarray,
     ) -> set[int]:
         """Key indices whose layer ``li`` does not match its checksum: one
@@ -368,18 +403,38 @@ class ChunkReader:
             self._compare(header, li, first, row, found, sums, bad)
         return bad
 
+    def _stream_layers(
+        self,
+        fd: int,
+        header: ChunkHeader,
+        items: list[Item],
+        layer_indices: list[int],
+        dest: dict[str, DestRows],
+        sums: np.ndarray,
+    ) -> set[int]:
+        """``_read_cached_layer`` of each layer in turn (file order), counted
+        as streamed; the key indices that failed."""
+        bad: set[int] = set()
+        for li in layer_indices:
+            bad |= self._read_cached_layer(
+                fd, header, items, li, dest, sums, counter="streamed_read_bytes"
+            )
+        return bad
+
     def _read_cached_layer(
         self,
         fd: int,
         header: ChunkHeader,
         items: list[Item],
         li: int,
-        dest: dict[str, np.ndarray],
+        dest: dict[str, DestRows],
         sums: np.ndarray,
+        counter: str = "cached_read_bytes",
     ) -> set[int]:
-        """Read layer ``li`` of the items from the page cache and verify it in
-        the same pass (native: each 256 KiB piece hashed while in cache);
-        returns the key indices that failed."""
+        """Read layer ``li`` of the items buffered (from the page cache, or
+        through it) and verify it in the same pass (native: each 256 KiB piece
+        hashed while in cache; the checksums are compared only when this
+        reader verifies); returns the key indices that failed."""
         bad: set[int] = set()
         for first, row, count, step in _row_runs(items):
             # keys of a run going down sit in memory in reverse file order
@@ -394,9 +449,7 @@ class ChunkReader:
             ]
             try:
                 found = native.pread_rows_xxh3(fd, parts, count)
-                self._counters.add(
-                    cached_read_bytes=sum(part.nbytes for _, part, _ in parts)
-                )
+                self._counters.add(**{counter: sum(p.nbytes for _, p, _ in parts)})
             except OSError:
                 self._counters.add(read_errors=1)
                 logger.warning(
@@ -405,7 +458,8 @@ class ChunkReader:
                 )  # fmt: skip
                 bad.update(range(low, low + count))
                 continue
-            self._compare(header, li, first, row, found, sums, bad, step)
+            if self._verify:
+                self._compare(header, li, first, row, found, sums, bad, step)
         return bad
 
     def _compare(
@@ -563,7 +617,7 @@ def _file_adjacent_groups(
 
 
 def _segments(
-    header: ChunkHeader, items: list[Item], li: int, dest: dict[str, np.ndarray]
+    header: ChunkHeader, items: list[Item], li: int, dest: dict[str, DestRows]
 ) -> list[Segment]:
     """Reads of layer ``li`` for the items: one per run of consecutive rows that
     land in consecutive destination rows, per tensor; sorted by file offset."""

@@ -26,6 +26,7 @@ _COUNTERS = (
     "read_bytes",
     "direct_read_bytes",
     "cached_read_bytes",
+    "streamed_read_bytes",
     "read_misses",
     "read_errors",
     "checksum_errors",

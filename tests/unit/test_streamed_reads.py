@@ -1,0 +1,170 @@
+"""Buffered reads of ranges the page cache does not hold are streamed: one
+thread reads the chunk's layers in file order with pread_rows_xxh3 (kernel
+readahead ahead of it) instead of queue_depth engine requests at once. Every
+test runs with streaming on and off (the engine path it replaced), so both
+paths keep the same contract: the exact bytes, or a miss."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from npukv_store import KVStore, StoreConfig
+from npukv_store.store import chunk_reader
+from npukv_store.store.format import parse_header
+from tests.conftest import block_tensors
+from tests.unit.test_direct_reads import (
+    BLOCKS,
+    aligned_out,
+    aligned_spec,
+    chunk_files,
+    evict_from_page_cache,
+)
+
+
+@pytest.fixture(params=[True, False], ids=["streamed", "engine"])
+def streaming(request, monkeypatch):
+    monkeypatch.setattr(chunk_reader, "_STREAM_UNCACHED", request.param)
+    return request.param
+
+
+@pytest.fixture
+def stored(tmp_path):
+    spec = aligned_spec()
+    config = StoreConfig(cache_dir=str(tmp_path / "cache"), capacity="64MiB")
+    keys = [bytes([i, 9]) * 8 for i in range(BLOCKS)]
+    with KVStore(config, spec) as store:
+        assert store.put(keys, block_tensors(spec, keys)).stored == BLOCKS
+    return config, spec, keys
+
+
+def counters_after_read(config, spec, keys, out, **overrides):
+    cfg = StoreConfig(**{**config.__dict__, **overrides})
+    with KVStore(cfg, spec) as store:
+        ok = store.read(keys, out)
+        return ok, store.stats().counters
+
+
+def assert_rows_equal(out, expected, rows):
+    for name, array in expected.items():
+        np.testing.assert_array_equal(out[name][rows], array[rows])
+
+
+def test_cold_unaligned_read_is_streamed_and_exact(stored, streaming):
+    config, spec, keys = stored
+    evict_from_page_cache(config.cache_dir)
+    out = aligned_out(spec, BLOCKS, misalign=64)  # like vLLM's CPU KV tensors
+    ok, counters = counters_after_read(config, spec, keys, out)
+    assert ok == [True] * BLOCKS
+    assert_rows_equal(out, block_tensors(spec, keys), slice(None))
+    assert counters["direct_read_bytes"] == 0
+    expected = BLOCKS * spec.block_bytes if streaming else 0
+    assert counters["streamed_read_bytes"] == expected
+
+
+def test_direct_io_off_cold_read_is_streamed(stored, streaming):
+    config, spec, keys = stored
+    evict_from_page_cache(config.cache_dir)
+    out = aligned_out(spec, BLOCKS)
+    ok, counters = counters_after_read(config, spec, keys, out, direct_io=False)
+    assert ok == [True] * BLOCKS
+    assert_rows_equal(out, block_tensors(spec, keys), slice(None))
+    assert counters["streamed_read_bytes"] == (
+        BLOCKS * spec.block_bytes if streaming else 0
+    )
+
+
+def test_scattered_rows_in_mixed_order_are_streamed_exactly(stored, streaming):
+    """Keys asked in an order that is neither the file's nor its reverse, with
+    gaps: each row still lands at its own key's index."""
+    config, spec, keys = stored
+    evict_from_page_cache(config.cache_dir)
+    picked = [5, 4, 3, 9, 10, 11, 40, 2, 63, 62]
+    wanted = [keys[i] for i in picked]
+    out = aligned_out(spec, len(picked), misalign=64)
+    ok, counters = counters_after_read(config, spec, wanted, out)
+    assert ok == [True] * len(picked)
+    assert_rows_equal(out, block_tensors(spec, wanted), slice(None))
+    assert counters["streamed_read_bytes"] == (
+        len(picked) * spec.block_bytes if streaming else 0
+    )
+
+
+def test_direct_and_streamed_layers_in_one_call(stored, streaming):
+    """Layer 0 into aligned buffers (O_DIRECT, the engine), layer 1 into
+    unaligned ones (streamed on a verifier thread meanwhile)."""
+    config, spec, keys = stored
+    evict_from_page_cache(config.cache_dir)
+    out = aligned_out(spec, BLOCKS)
+    unaligned = aligned_out(spec, BLOCKS, misalign=64)
+    for name in out:
+        if name.startswith("layers.1."):
+            out[name] = unaligned[name]
+    ok, counters = counters_after_read(config, spec, keys, out)
+    assert ok == [True] * BLOCKS
+    assert_rows_equal(out, block_tensors(spec, keys), slice(None))
+    half = BLOCKS * spec.block_bytes // 2
+    assert counters["direct_read_bytes"] == half
+    assert counters["streamed_read_bytes"] == (half if streaming else 0)
+
+
+def flip_byte(path, layer: int, part: int, row: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        entry = parse_header(fd, str(path)).layers[layer][part]
+        offset = entry.begin + row * entry.row_bytes + 100
+        os.pwrite(fd, bytes([os.pread(fd, 1, offset)[0] ^ 0xFF]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_a_corrupt_row_read_streamed_is_a_miss(stored, streaming):
+    config, spec, keys = stored
+    (path,) = chunk_files(config.cache_dir)
+    flip_byte(path, layer=1, part=1, row=7)
+    evict_from_page_cache(config.cache_dir)
+    out = aligned_out(spec, BLOCKS, misalign=64)
+    ok, counters = counters_after_read(config, spec, keys, out)
+    assert ok == [i != 7 for i in range(BLOCKS)]  # the bad block alone
+    assert counters["checksum_errors"] >= 1
+    good = [i for i in range(BLOCKS) if i != 7]
+    assert_rows_equal(out, block_tensors(spec, keys), good)
+
+
+def test_verify_never_streams_without_judging(stored, streaming):
+    """verify=never trusts the disk on both paths: the flipped byte is served
+    (that is what the setting means) and nothing is counted as a mismatch."""
+    config, spec, keys = stored
+    (path,) = chunk_files(config.cache_dir)
+    flip_byte(path, layer=0, part=0, row=2)
+    evict_from_page_cache(config.cache_dir)
+    out = aligned_out(spec, BLOCKS, misalign=64)
+    ok, counters = counters_after_read(config, spec, keys, out, verify="never")
+    assert ok == [True] * BLOCKS
+    assert counters["checksum_errors"] == 0
+    expected = block_tensors(spec, keys)
+    assert not np.array_equal(out["layers.0.k"][2], expected["layers.0.k"][2])
+    assert_rows_equal(out, {"layers.1.v": expected["layers.1.v"]}, slice(None))
+
+
+def test_a_chunk_truncated_after_its_header_was_cached_is_a_miss(stored, streaming):
+    """A short read in the middle of the stream (the file now ends early)
+    makes the rows it covers misses, never zeros served as KV."""
+    config, spec, keys = stored
+    (path,) = chunk_files(config.cache_dir)
+    with open(path, "rb") as handle:
+        header = parse_header(handle.fileno(), str(path))
+    last = header.layers[1][1]
+    with KVStore(config, spec) as store:
+        out = aligned_out(spec, BLOCKS, misalign=64)
+        assert store.read(keys, out) == [True] * BLOCKS  # header now cached
+        os.truncate(path, last.begin + 10 * last.row_bytes)
+        evict_from_page_cache(config.cache_dir)
+        out = aligned_out(spec, BLOCKS, misalign=64)
+        ok = store.read(keys, out)
+        counters = store.stats().counters
+    assert ok == [False] * BLOCKS  # the cut run fails as a whole
+    assert counters["read_errors"] + counters["checksum_errors"] >= 1
