@@ -234,14 +234,17 @@ class LayerLoader:
     def _read_direct(
         self, job: LoadJob, indices: Sequence[int], runs: list[tuple[int, int, int]]
     ) -> None:
-        """Read layers ``indices`` from disk straight into the KV pages, one
-        store call per run of blocks (the store verifies each layer while it
-        reads the next). A row that fails leaves its page unspecified; it is
-        reported and recomputed."""
+        """Read layers ``indices`` from disk straight into the KV pages, all
+        runs of blocks in one store call (each chunk file is then read once,
+        in file order; the store verifies each layer while it reads the next).
+        A row that fails leaves its page unspecified; it is reported and
+        recomputed."""
         assert self._host_view is not None
+        requests = []
+        run_rows = []
         for first, count, step in runs:
             # rows in memory order: a descending run is read with its keys
-            # reversed, so row i of the pages is still key i of the call
+            # reversed, so row i of the pages is still key i of the request
             rows = range(first, first + count)[::step]
             low_block = job.block_ids[rows[0]]
             out = {}
@@ -251,7 +254,9 @@ class LayerLoader:
                 address = segment.base_ptr + low_block * segment.block_stride
                 pages = self._host_view(address, count * layout.page_bytes)
                 out[self._names[index]] = pages.reshape(count, layout.page_bytes)
-            ok = self._store.read([job.keys[row] for row in rows], out)
+            requests.append(([job.keys[row] for row in rows], out))
+            run_rows.append(rows)
+        for rows, ok in zip(run_rows, self._store.read_many(requests), strict=True):
             job.errors.update(
                 job.block_ids[row] for row, hit in zip(rows, ok, strict=True) if not hit
             )

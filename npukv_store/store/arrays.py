@@ -6,11 +6,13 @@ only reach it from a caller that imported torch already, so ``sys.modules`` has 
     byte_rows()   - a validated, C-contiguous ``uint8 [rows, row_bytes]`` view
     input_rows()  - every tensor of a put, validated against the namespace
     output_rows() - the destination rows of a read, and the layers they pick
+    GroupedRows   - one tensor's destination rows spread over several arrays
 """
 
 from __future__ import annotations
 
 import sys
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -142,3 +144,30 @@ def output_rows(
             f"out: found {sorted(out)}, expected tensor names of model {spec.model!r}"
         )
     return layers, dest
+
+
+class GroupedRows:
+    """One tensor's destination rows when a read fills several arrays (one per
+    request of ``KVStore.read_many``), addressed in one row index space. The
+    reader only ever slices a run of rows; a run never crosses from one array
+    to the next because the index space leaves one unused row between them."""
+
+    def __init__(self, parts: Sequence[tuple[int, np.ndarray]]) -> None:
+        self._starts = [start for start, _ in parts]
+        self._arrays = [rows for _, rows in parts]
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        group = bisect_right(self._starts, rows.start) - 1
+        if group < 0:
+            raise IndexError(f"rows {rows.start}:{rows.stop} before the first array")
+        start, array = self._starts[group], self._arrays[group]
+        if rows.stop - start > len(array):
+            raise IndexError(
+                f"rows {rows.start}:{rows.stop} cross the end of array {group} "
+                f"(rows {start}:{start + len(array)})"
+            )
+        return array[rows.start - start : rows.stop - start]
+
+
+#: What the reader slices rows of: one array, or several (``GroupedRows``).
+DestRows = np.ndarray | GroupedRows

@@ -35,7 +35,7 @@ from npukv_store.hashing import chain_hashes, namespace_fingerprint
 from npukv_store.io.writer import Event
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import recovery
-from npukv_store.store.arrays import input_rows, output_rows
+from npukv_store.store.arrays import DestRows, GroupedRows, input_rows, output_rows
 from npukv_store.store.chunk_reader import ChunkReader
 from npukv_store.store.chunk_writer import unlink_quietly, write_chunk
 from npukv_store.store.directory import CacheDir
@@ -411,17 +411,56 @@ class KVStore:
             False means a miss: not stored, gone, unreadable or corrupt; the
             row's contents are then unspecified and must be recomputed.
         """
+        return self.read_many([(keys, out)])[0]
+
+    def read_many(
+        self, requests: Sequence[tuple[Sequence[bytes], Mapping[str, object]]]
+    ) -> list[list[bool]]:
+        """``read`` of several ``(keys, out)`` requests in one call: each chunk
+        file is read once, its rows in file order whichever request they fill.
+        Where a chunk's rows go to separate buffers (vLLM's pages: blocks in
+        two runs of ids), separate calls would each walk the file, and a short
+        run's small ranges would each wait for the disk (docs/design.md §19).
+
+        Every request must name the same tensors. Returns ``read``'s list per
+        request.
+        """
         self._check_fork()
-        layers, dest = output_rows(self.spec, len(keys), out)
-        ok = [False] * len(keys)
+        all_keys: list[bytes] = []
+        positions: list[int] = []  # index in all_keys of each real key
+        parts: dict[str, list[tuple[int, np.ndarray]]] = {}
+        starts: list[int] = []
+        layers: list[int] | None = None
+        for keys, out in requests:
+            found, rows = output_rows(self.spec, len(keys), out)
+            if layers is not None and found != layers:
+                raise ValueError(
+                    f"read_many: request {len(starts)} names layers {found}, "
+                    f"expected the first request's {layers}"
+                )
+            layers = found
+            if all_keys:
+                all_keys.append(b"")  # one unused row: no run crosses requests
+            starts.append(len(all_keys))
+            for name, array in rows.items():
+                parts.setdefault(name, []).append((len(all_keys), array))
+            positions.extend(range(len(all_keys), len(all_keys) + len(keys)))
+            all_keys.extend(keys)
+        if layers is None:
+            return []
+        dest: dict[str, DestRows] = {
+            name: group[0][1] if len(group) == 1 else GroupedRows(group)
+            for name, group in parts.items()
+        }
+        ok = [False] * len(all_keys)
         by_chunk: dict[int, list[tuple[int, int]]] = {}
-        for i, loc in enumerate(self.index.locate(keys)):
+        located = self.index.locate([all_keys[i] for i in positions])
+        for i, loc in zip(positions, located, strict=True):
             if loc is not None:
                 by_chunk.setdefault(loc[0], []).append((i, loc[1]))
         chunks = list(by_chunk.items())
-        for (chunk_id, _), good in zip(
-            chunks, self._reader.read_chunks(chunks, keys, layers, dest), strict=True
-        ):
+        results = self._reader.read_chunks(chunks, all_keys, layers, dest)
+        for (chunk_id, _), good in zip(chunks, results, strict=True):
             if good:
                 self.touches.note_chunk(chunk_id)
             for i in good:
@@ -432,10 +471,13 @@ class KVStore:
         hits = sum(ok)
         self.counters.add(
             read_blocks=hits,
-            read_misses=len(keys) - hits,
+            read_misses=len(positions) - hits,
             read_bytes=hits * sum(self.spec.layers[li].row_bytes for li in layers),
         )
-        return ok
+        return [
+            ok[start : start + len(keys)]
+            for start, (keys, _) in zip(starts, requests, strict=True)
+        ]
 
     def _quarantine(self, chunk_ids: set[int]) -> None:
         """Unpublish chunks found corrupt and remove their files, as eviction
