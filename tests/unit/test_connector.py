@@ -152,6 +152,34 @@ def test_plans_prompt_saves_once_and_holds_finished_requests(tmp_path):
     side.close()
 
 
+@pytest.mark.parametrize(
+    ("device", "layerwise", "hinted"),
+    [
+        ("cpu", "auto", False),  # auto stays bulk on the CPU: one streamed read
+        ("cpu", "off", False),
+        ("cpu", "on", True),
+        ("npu", "auto", True),  # a device loads layer by layer
+        ("cuda", "off", False),
+    ],
+)
+def test_readahead_hint_only_where_workers_load_layerwise(
+    tmp_path, device, layerwise, hinted
+):
+    cfg = settings(tmp_path, layerwise=layerwise)
+    vllm_config, kv_cache_config = engine_config()
+    vllm_config.device_config = SimpleNamespace(device_type=device)
+    side = SchedulerSide(vllm_config, kv_cache_config, cfg)
+    request = make_request("r", list(range(4 * BLOCK + 1)))
+    (keys,) = side._keys(side._state(request), 4)
+    put_blocks(cfg, side.specs[0], keys)
+    hints: list[list[bytes]] = []
+    side.store.readahead = lambda chain: hints.append(list(chain)) or 1
+    assert side.match(request, 0) == 4 * BLOCK
+    side.allocated(request, [5, 6, 7, 8, 9], 4 * BLOCK)
+    assert hints == ([keys] if hinted else [])
+    side.close()
+
+
 # -- worker side ------------------------------------------------------------------
 
 
