@@ -102,7 +102,8 @@ def test_each_chunk_is_read_once_for_all_requests(filled, monkeypatch):
     with KVStore(config, spec) as store:
         ok = store.read_many(list(zip(asked, outs, strict=True)))
     assert ok == [[True] * len(k) for k in asked]
-    assert len(calls) == 1 and calls[0][1] == list(range(8))
+    assert len(calls) == 1
+    assert calls[0][1] == list(range(8))
     for wanted, out, hits in zip(asked, outs, ok, strict=True):
         expect_rows(spec, wanted, out, hits)
 
