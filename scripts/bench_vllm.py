@@ -20,6 +20,9 @@ of ``--prompt-tokens`` tokens. Every row is its own vLLM process
                 process times them again: warm (page cache)
   example hit   the same with vLLM's ExampleConnector (one safetensors file per
                 layer, loaded synchronously in start_load_kv), the same pause
+  floor         no connector, vLLM's own prefix cache on, each prompt twice:
+                the second is a hit that loads nothing (host memory), the
+                TTFT any connector's hit would have if loading cost nothing
   decode        all prompts at once, ``--decode-tokens`` new tokens each, with no
                 connector ("saving off") and with ours and save_decode=true on an
                 empty directory ("saving on"); three rounds each, interleaved,
@@ -29,6 +32,8 @@ TTFT is the median over prompts of the wall time of one generate() call with
 max_tokens=1 (prefill plus one sample; the process is warm). JSON keys:
 ``ttft_hit_over_recompute`` (ours cold hit / recompute), ``ttft_ours_over_example``
 (cold hits; ``_warm``: warm hits),
+``load_ours_over_example`` (what each connector's cold hit adds to the floor,
+ours over Example's; ``_warm``: warm hits),
 ``decode_slowdown_saving`` (1 - tokens/s saving on / saving off),
 ``tokens_match`` (every run's greedy tokens equal the recompute run's), and
 ``idle_step_us``: what the connector's two halves add to a step with nothing to
@@ -128,8 +133,13 @@ def main() -> int:
     for stale in ("ours_cache", "example", "decode_cache"):
         shutil.rmtree(work / stale, ignore_errors=True)
 
+    # each prompt twice in a row: the second is a hit in vLLM's own prefix
+    # cache (host memory), the TTFT of a hit that loads nothing
+    (work / "twice.json").write_text(json.dumps([p for p in prompts for _ in "ab"]))
+    floor = [*common, "--prompts", str(work / "twice.json"), "--max-tokens", "1"]
     runs: dict[str, dict[str, Any]] = {}
     runs["recompute"] = harness(work, "recompute", ttft)
+    runs["floor"] = harness(work, "floor", [*floor, "--prefix-caching"])
     runs["ours_store"] = harness(work, "ours_store", [*ttft, *ours("ours_cache")])
     settle_after_writes()
     drop_page_cache(work / "ours_cache")
@@ -182,6 +192,8 @@ def main() -> int:
     t_example = median_ttft("example_hit")
     t_ours_warm = median_ttft("ours_hit_warm")
     t_example_warm = median_ttft("example_hit_warm")
+    t_floor = statistics.median(r["seconds"] for r in runs["floor"]["results"][1::2])
+    floor_hits = [r["num_cached_tokens"] for r in runs["floor"]["results"][1::2]]
     result = {
         "bench": "vllm",
         "quick": quick,
@@ -198,6 +210,12 @@ def main() -> int:
         "ttft_ours_hit_warm_s": round(t_ours_warm, 4),
         "ttft_example_hit_warm_s": round(t_example_warm, 4),
         "ttft_ours_over_example_warm": round(t_ours_warm / t_example_warm, 3),
+        "ttft_floor_s": round(t_floor, 4),
+        "floor_hit_tokens": sum(floor_hits),
+        "load_ours_over_example": _load_ratio(t_ours, t_example, t_floor),
+        "load_ours_over_example_warm": _load_ratio(
+            t_ours_warm, t_example_warm, t_floor
+        ),
         "page_cache_drop": DROP_METHOD,
         "hit_tokens_ours": hits["ours_hit"],
         "hit_tokens_example": hits["example_hit"],
@@ -224,6 +242,14 @@ def main() -> int:
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def _load_ratio(ours: float, example: float, floor: float) -> float | None:
+    """What each connector adds to the floor (a hit that loads nothing), ours
+    over Example's; None when Example adds nothing measurable."""
+    if example - floor <= 1e-4:
+        return None
+    return round((ours - floor) / (example - floor), 3)
 
 
 def idle_step_us(steps: int = 5000) -> float:
@@ -353,6 +379,11 @@ def _print_table(r: dict[str, Any]) -> None:
             f"{r['ttft_example_hit_warm_s'] / r['ttft_recompute_s']:.2f}",
         ),
         (
+            "TTFT floor (vLLM prefix-cache hit)",
+            f"{r['ttft_floor_s'] * 1e3:.1f} ms",
+            f"{r['ttft_floor_s'] / r['ttft_recompute_s']:.2f}",
+        ),
+        (
             "decode, saving off",
             f"{r['decode_tokens_per_s_saving_off']:.1f} tok/s",
             "1.00",
@@ -364,9 +395,13 @@ def _print_table(r: dict[str, Any]) -> None:
         ),
     ]
     print(f"model {r['model']}, {r['prompts']} prompts x {r['prompt_tokens']} tokens")
-    print(f"{'case':<28}{'value':>16}{'ratio':>8}")
+    print(f"{'case':<36}{'value':>16}{'ratio':>8}")
     for case, value, ratio in rows:
-        print(f"{case:<28}{value:>16}{ratio:>8}")
+        print(f"{case:<36}{value:>16}{ratio:>8}")
+    print(
+        f"load_ours_over_example {r['load_ours_over_example']} (cold) "
+        f"{r['load_ours_over_example_warm']} (warm): TTFT above the floor"
+    )
     print(
         f"ttft_ours_over_example {r['ttft_ours_over_example']} (cold) "
         f"{r['ttft_ours_over_example_warm']} (warm)  "

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_model_len,
         kv_transfer_config=transfer_config(args.connector, extra),
-        enable_prefix_caching=False,
+        enable_prefix_caching=args.prefix_caching,
         seed=0,
     )
     startup_s = time.perf_counter() - started
@@ -198,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     go.add_argument(
         "--concurrent-batch", action="store_true", help="also run all prompts at once"
+    )
+    go.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="turn vLLM's own prefix cache on (off by default, so hits are ours)",
     )
     args = parser.parse_args(argv)
     if args.command == "build-model":
