@@ -34,6 +34,13 @@ written and read back in batches of 64 MiB. Measured in one run:
             LMDB in ``targets_met`` are this row's; the per-64 MiB-call figures
             stay in the JSON (``read_cold_ratio_per_batch``,
             ``read_warm_ratio_per_batch``, ``per_batch_read_cold_faster``).
+  ours/buf  the ``ours/1`` read with ``direct_io=false``: cold, every layer
+            is read buffered and streamed (one thread, file order, kernel
+            readahead; docs/design.md §19). The same read with streaming off
+            sends those layers through the engine (16 buffered requests in
+            flight), as before. ``read_cold_ratio_buffered`` is the first over
+            the raw limit; ``buffered_cold_stream_over_engine`` is the first
+            over the second, to tell on each disk which one it prefers.
   st/block  one safetensors file per 2 MiB block (vLLM ExampleConnector style):
             ``save_file`` + fsync of each file + one dir fsync per 64 MiB; read
             with ``load_file`` and copied into the preallocated buffer.
@@ -73,6 +80,7 @@ one 2 MiB put pass and one cold read pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -96,7 +104,7 @@ from npukv_store.config import StoreConfig
 from npukv_store.io.direct import aligned_buffer, open_direct
 from npukv_store.native import sync_file_range_write
 from npukv_store.spec import LayerSpec, NamespaceSpec, PartSpec
-from npukv_store.store import KVStore
+from npukv_store.store import KVStore, chunk_reader
 
 MIB = 1 << 20
 BATCH_BYTES = 64 * MIB  # one chunk / one LMDB commit / one fsync group
@@ -343,12 +351,31 @@ def raw_read(ctx: Context, path: Path, direct: bool = False) -> float:
 
 
 def open_store(
-    path: Path, spec: NamespaceSpec, total: int, verify: str = "always"
+    path: Path,
+    spec: NamespaceSpec,
+    total: int,
+    verify: str = "always",
+    direct_io: bool = True,
 ) -> KVStore:
     config = StoreConfig(
-        cache_dir=str(path), capacity=2 * total + BATCH_BYTES, verify=verify
+        cache_dir=str(path),
+        capacity=2 * total + BATCH_BYTES,
+        verify=verify,
+        direct_io=direct_io,
     )
     return KVStore(config, spec)
+
+
+@contextlib.contextmanager
+def streaming(on: bool) -> Iterator[None]:
+    """Buffered reads of uncached layers streamed (the default) or sent
+    through the engine at queue depth 16, as before docs/design.md §19."""
+    saved = chunk_reader._STREAM_UNCACHED
+    chunk_reader._STREAM_UNCACHED = on
+    try:
+        yield
+    finally:
+        chunk_reader._STREAM_UNCACHED = saved
 
 
 def ours_write(ctx: Context, store: KVStore, keys: list[bytes]) -> float:
@@ -537,17 +564,24 @@ def run_ours(best: Best, ctx: Context, block: int) -> None:
     if block == 2 * MIB:
         # On fresh handles (their first read of a chunk is O_DIRECT again):
         # one call over every chunk, and what the checksums cost (unverified).
+        # Buffered (direct_io off), one call: uncached layers streamed, and
+        # through the engine, so each disk shows which of the two it prefers.
         extra = (
-            ("ours_onecall", "always", ours_read_all),
-            ("ours_noverify", "never", ours_read),
+            ("ours_onecall", "always", ours_read_all, True, True),
+            ("ours_noverify", "never", ours_read, True, True),
+            ("ours_buffered", "always", ours_read_all, False, True),
+            ("ours_buffered_engine", "always", ours_read_all, False, False),
         )
-        for name, verify, read in extra:
-            handle = open_store(path, spec_for(block), ctx.total, verify=verify)
+        for name, verify, read, direct_io, stream in extra:
+            handle = open_store(
+                path, spec_for(block), ctx.total, verify=verify, direct_io=direct_io
+            )
             try:
-                read_twice(
-                    best, ctx, name, block, path,
-                    lambda: read(ctx, handle, keys), True,  # noqa: B023 - called now
-                )  # fmt: skip
+                with streaming(stream):
+                    read_twice(
+                        best, ctx, name, block, path,
+                        lambda: read(ctx, handle, keys), True,  # noqa: B023 - now
+                    )  # fmt: skip
             finally:
                 handle.close()
     shutil.rmtree(path)
@@ -676,6 +710,8 @@ LABELS = {
     "ours": "ours KVStore",
     "ours_onecall": "ours KVStore, 1 call",
     "ours_noverify": "ours KVStore, verify=never",
+    "ours_buffered": "ours 1 call, direct_io off",
+    "ours_buffered_engine": "ours 1 call, buffered via engine",
     "st": "safetensors/block +fsync",
     "lmdb": "LMDB blob sync=True",
 }
@@ -686,18 +722,18 @@ def row_order(case: Case) -> tuple[int, int, int]:
 
 
 def table(best: Best, total: int, lookup: tuple[float, float]) -> str:
-    header = f"{'case':<34} {'block':>6} {'bytes':>11} {'GB/s':>17} {'ratio':>6}"
+    header = f"{'case':<42} {'block':>6} {'bytes':>11} {'GB/s':>17} {'ratio':>6}"
     lines = [header, "-" * len(header)]
     for case, seconds in best.items():
         rate = gbps(total, seconds)
         ratio = rate / raw_limit(best, total, case.op)
         name = f"{LABELS[case.name]} {case.op}"
         block = _size_label(case.block) if case.block else "-"
-        lines.append(f"{name:<34} {block:>6} {total:>11} {rate:>17.3f} {ratio:>6.2f}")
+        lines.append(f"{name:<42} {block:>6} {total:>11} {rate:>17.3f} {ratio:>6.2f}")
     p50, p99 = lookup
     name = f"ours lookup {LOOKUP_CHAIN} keys"
     lookup_text = f"p50 {p50:.1f}/p99 {p99:.1f} us"
-    lines.append(f"{name:<34} {'-':>6} {'-':>11} {lookup_text:>17} {'-':>6}")
+    lines.append(f"{name:<42} {'-':>6} {'-':>11} {lookup_text:>17} {'-':>6}")
     return "\n".join(lines)
 
 
@@ -727,6 +763,12 @@ def results_json(
     )
     out["read_warm_ratio_per_batch"] = round(
         speed("ours", WARM) / raw_limit(best, total, WARM), 4
+    )
+    out["read_cold_ratio_buffered"] = round(
+        speed("ours_buffered", COLD) / raw_limit(best, total, COLD), 4
+    )
+    out["buffered_cold_stream_over_engine"] = round(
+        speed("ours_buffered", COLD) / speed("ours_buffered_engine", COLD), 4
     )
     out["lookup256_us_p50"] = round(lookup[0], 2)
     out["lookup256_us_p99"] = round(lookup[1], 2)
