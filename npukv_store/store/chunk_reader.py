@@ -23,10 +23,9 @@ not push other data out of memory (docs/design.md §12). Ranges the cache holds
 are always copied from it: a layer wholly in the cache is read and checksummed
 in one pass over memory (``native.pread_rows_xxh3``) on the verifier threads,
 not through the engine (docs/design.md §13). Layers read buffered that the
-cache does not wholly hold are streamed the same way, by one thread in file
-order, with kernel readahead ahead of it (docs/design.md §19): the engine then
-carries only O_DIRECT reads, and buffered ones whose layer is cached but not
-verified.
+cache does not wholly hold, in segments larger than one engine request, are
+streamed the same way, by one thread in file order, with kernel readahead ahead
+of it (docs/design.md §19).
 """
 
 from __future__ import annotations
@@ -74,9 +73,11 @@ _MAX_IOVECS = 64
 #: cores: on this 2-core VM 4 threads read warm 1 GiB calls at median 6.56 and
 #: 6.85 GB/s against 6.03 and 6.47 with 2 (two A/B runs, 5 rounds each).
 _VERIFY_THREADS = min(8, max(4, os.cpu_count() or 1))
-#: Stream layers read buffered and not wholly cached (docs/design.md §19);
-#: False sends them through the engine, as before (kept for A/B runs and tests).
+#: Stream layers read buffered, not wholly cached, in segments larger than
+#: _STREAM_ABOVE_BYTES, one engine request (docs/design.md §19). False sends
+#: them through the engine, as before (kept for A/B runs and tests).
 _STREAM_UNCACHED = True
+_STREAM_ABOVE_BYTES = _MAX_REQUEST_BYTES
 #: Chunks of one read call in flight at once: the next chunk's header read and
 #: requests overlap this one's last completions and checksums (docs/design.md
 #: §17).
@@ -228,8 +229,8 @@ class ChunkReader:
     ) -> list[int]:
         """Read and verify every requested layer. Layers wholly in the page
         cache are read and hashed in one pass on the verifier threads; other
-        layers read buffered are streamed in file order by one thread; the
-        rest (O_DIRECT where ``files`` picks it) go through the engine,
+        layers read buffered in large segments are streamed in file order by
+        one thread; the rest (O_DIRECT where ``files`` picks it) go through the engine,
         queue_depth requests in flight, and each such layer is verified as soon
         as its last read completes, so checksums of early layers overlap the
         disk reading later ones."""
@@ -280,12 +281,17 @@ class ChunkReader:
             # some ranges are read buffered after all (unaligned destination,
             # mostly cached): give them back the readahead RANDOM took away
             os.posix_fadvise(files.fd, 0, 0, _ADVICE)
-        # Layers read buffered and not wholly cached are streamed: one thread
-        # reads them in file order and hashes each piece as it arrives, and
-        # kernel readahead keeps the disk busy ahead of it. Through the engine
-        # (queue_depth buffered reads at once) they ran about 2x slower cold
-        # on this VM's disk (docs/design.md §19).
-        buffered = {pos for pos, _ in owners} - cached_layers
+        # Layers read buffered, not wholly cached, in segments larger than an
+        # engine request are streamed: one thread reads them in file order and
+        # hashes each piece as it arrives, kernel readahead ahead of it.
+        # Through the engine each such segment is one huge request, and several
+        # at far-apart offsets of one file ran up to 2x slower cold than one
+        # stream; segments of a request or less, in file order, are one
+        # sequential window for the engine, which read those faster and
+        # steadier than a stream (docs/design.md §19).
+        buffered = {
+            pos for pos, (_, _, _, dest) in owners if dest.nbytes > _STREAM_ABOVE_BYTES
+        } - cached_layers
         if not _STREAM_UNCACHED:
             buffered.clear()
         buffered -= {

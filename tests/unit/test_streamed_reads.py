@@ -1,7 +1,8 @@
-"""Buffered reads of ranges the page cache does not hold are streamed: one
-thread reads the chunk's layers in file order with pread_rows_xxh3 (kernel
-readahead ahead of it) instead of queue_depth engine requests at once. Every
-test runs with streaming on and off (the engine path it replaced), so both
+"""Buffered reads of ranges the page cache does not hold, in segments larger
+than one engine request, are streamed: one thread reads the chunk's layers in
+file order with pread_rows_xxh3 (kernel readahead ahead of it) instead of
+queue_depth engine requests at once. Every test runs with streaming on (the
+threshold lowered to these small chunks) and off (the engine path), so both
 paths keep the same contract: the exact bytes, or a miss."""
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from tests.unit.test_direct_reads import (
 
 @pytest.fixture(params=[True, False], ids=["streamed", "engine"])
 def streaming(request, monkeypatch):
+    """Streaming on (for segments of any size here) or off."""
     monkeypatch.setattr(chunk_reader, "_STREAM_UNCACHED", request.param)
+    monkeypatch.setattr(chunk_reader, "_STREAM_ABOVE_BYTES", 0)
     return request.param
 
 
@@ -168,3 +171,61 @@ def test_a_chunk_truncated_after_its_header_was_cached_is_a_miss(stored, streami
         counters = store.stats().counters
     assert ok == [False] * BLOCKS  # the cut run fails as a whole
     assert counters["read_errors"] + counters["checksum_errors"] >= 1
+
+
+def test_only_segments_larger_than_one_request_are_streamed(tmp_path):
+    """At the default threshold (one engine request, 4 MiB) a layer of 256 KiB
+    segments stays on the engine and one of 5 MiB segments is streamed."""
+    from npukv_store import LayerSpec, NamespaceSpec, PartSpec
+
+    part = (PartSpec("kv", "U8", (64 << 10,)),)
+    spec = NamespaceSpec(
+        model="stream-threshold", block_size=16, kv_dtype="uint8",
+        layers=(LayerSpec("small", part), LayerSpec("large", part)),
+    )  # fmt: skip
+    config = StoreConfig(cache_dir=str(tmp_path / "cache"), capacity="256MiB")
+    rows = 80  # 5 MiB per segment when the whole chunk is read
+    rng = np.random.default_rng(3)
+    data = {
+        n: rng.integers(0, 255, (rows, 64 << 10), np.uint8) for n in spec.tensor_names()
+    }
+    with KVStore(config, spec) as store:
+        keys = store.keys_for(np.arange(16 * rows))
+        assert store.put(keys, data).stored == rows
+    evict_from_page_cache(config.cache_dir)
+    small = {"small.kv": np.zeros((4, 64 << 10), np.uint8)}  # 256 KiB
+    ok, counters = counters_after_read(config, spec, keys[:4], small)
+    assert ok == [True] * 4
+    assert counters["streamed_read_bytes"] == 0
+    np.testing.assert_array_equal(small["small.kv"], data["small.kv"][:4])
+    evict_from_page_cache(config.cache_dir)
+    large = {"large.kv": np.zeros((rows, 64 << 10), np.uint8)}  # 5 MiB
+    ok, counters = counters_after_read(config, spec, keys, large)
+    assert ok == [True] * rows
+    assert counters["streamed_read_bytes"] == rows * (64 << 10)
+    np.testing.assert_array_equal(large["large.kv"], data["large.kv"])
+
+
+@pytest.mark.parametrize(
+    "splits",
+    [
+        [range(0, 20), range(20, 64)],  # adjacent in the file
+        [range(63, 40, -1), range(0, 10), range(10, 12)],  # descending, then up
+    ],
+    ids=["adjacent", "mixed"],
+)
+def test_read_many_cold_fills_every_request(stored, streaming, splits):
+    """vLLM's loads: one request per run of block ids, one call, cold."""
+    config, spec, keys = stored
+    evict_from_page_cache(config.cache_dir)
+    asked = [[keys[i] for i in split] for split in splits]
+    outs = [aligned_out(spec, len(k), misalign=64) for k in asked]
+    cfg = StoreConfig(**config.__dict__)
+    with KVStore(cfg, spec) as store:
+        ok = store.read_many(list(zip(asked, outs, strict=True)))
+        counters = store.stats().counters
+    assert ok == [[True] * len(k) for k in asked]
+    total = sum(len(k) for k in asked) * spec.block_bytes
+    assert counters["streamed_read_bytes"] == (total if streaming else 0)
+    for wanted, out in zip(asked, outs, strict=True):
+        assert_rows_equal(out, block_tensors(spec, wanted), slice(None))
