@@ -169,14 +169,16 @@ class Index:
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the longest stored prefix of ``keys``.
 
-        A plain ``get`` loop: measured faster than ``Cursor.getmulti`` for
-        16-byte keys (docs/design.md), and it stops at the first miss.
+        One cursor's ``set_key`` per key, stopping at the first miss: no value
+        is copied out, and the cursor is reused. 256 keys took 84-93 µs
+        against 109-122 µs for a ``txn.get`` loop and 201 µs for
+        ``Cursor.getmulti`` (interleaved rounds, docs/design.md §1).
         """
         count = 0
         with self._env.begin(db=self._keys) as txn:
-            get = txn.get
+            found = txn.cursor().set_key
             for key in keys:
-                if get(key) is None:
+                if not found(key):
                     break
                 count += 1
         return count
