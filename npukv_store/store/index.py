@@ -184,10 +184,14 @@ class Index:
         return count
 
     def locate(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
-        """``(chunk id, row)`` of each key, or None where it is not stored."""
+        """``(chunk id, row)`` of each key, or None where it is not stored.
+        One reused cursor (256 keys: 124-126 µs against 195-200 µs for
+        ``Cursor.getmulti``, docs/design.md §1)."""
+        unpack = _LOC_FMT.unpack
         with self._env.begin(db=self._keys) as txn:
-            found = dict(txn.cursor().getmulti(keys))
-        return [_LOC_FMT.unpack(found[k]) if k in found else None for k in keys]
+            cursor = txn.cursor()
+            found, value = cursor.set_key, cursor.value
+            return [unpack(value()) if found(k) else None for k in keys]
 
     def chunk(self, chunk_id: int) -> ChunkRecord | None:
         """The record of a published chunk, or None."""
