@@ -229,3 +229,27 @@ def test_read_many_cold_fills_every_request(stored, streaming, splits):
     assert counters["streamed_read_bytes"] == (total if streaming else 0)
     for wanted, out in zip(asked, outs, strict=True):
         assert_rows_equal(out, block_tensors(spec, wanted), slice(None))
+
+
+@pytest.mark.parametrize("tasks", [1, 2, 3, 64])
+def test_cached_layers_in_few_tasks_read_every_layer(tmp_path, monkeypatch, tasks):
+    """Warm reads group a chunk's cached layers into a few verifier tasks:
+    every layer still arrives, verified, whatever the grouping."""
+    from tests.conftest import tiny_spec
+
+    monkeypatch.setattr(chunk_reader, "_CACHED_TASKS_PER_CHUNK", tasks)
+    spec = tiny_spec(num_layers=7)
+    config = StoreConfig(cache_dir=str(tmp_path / "cache"), capacity="64MiB")
+    keys = [bytes([i, 3]) * 8 for i in range(12)]
+    with KVStore(config, spec) as store:
+        assert store.put(keys, block_tensors(spec, keys)).stored == len(keys)
+        out = {
+            name: np.zeros_like(array)
+            for name, array in block_tensors(spec, keys).items()
+        }
+        assert store.read(keys[2:], {n: a[2:] for n, a in out.items()}) == [True] * 10
+        counters = store.stats().counters
+    assert counters["cached_read_bytes"] == 10 * spec.block_bytes
+    expected = block_tensors(spec, keys)
+    for name in out:
+        np.testing.assert_array_equal(out[name][2:], expected[name][2:])
