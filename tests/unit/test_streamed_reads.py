@@ -16,13 +16,15 @@ from npukv_store import KVStore, StoreConfig
 from npukv_store.store import chunk_reader
 from npukv_store.store.format import parse_header
 from tests.conftest import block_tensors
+from tests.unit import test_direct_reads
 from tests.unit.test_direct_reads import (
     BLOCKS,
     aligned_out,
-    aligned_spec,
     chunk_files,
     evict_from_page_cache,
 )
+
+stored = test_direct_reads.stored  # the fixture: the same 64 blocks, stored
 
 
 @pytest.fixture(params=[True, False], ids=["streamed", "engine"])
@@ -31,16 +33,6 @@ def streaming(request, monkeypatch):
     monkeypatch.setattr(chunk_reader, "_STREAM_UNCACHED", request.param)
     monkeypatch.setattr(chunk_reader, "_STREAM_ABOVE_BYTES", 0)
     return request.param
-
-
-@pytest.fixture
-def stored(tmp_path):
-    spec = aligned_spec()
-    config = StoreConfig(cache_dir=str(tmp_path / "cache"), capacity="64MiB")
-    keys = [bytes([i, 9]) * 8 for i in range(BLOCKS)]
-    with KVStore(config, spec) as store:
-        assert store.put(keys, block_tensors(spec, keys)).stored == BLOCKS
-    return config, spec, keys
 
 
 def counters_after_read(config, spec, keys, out, **overrides):
