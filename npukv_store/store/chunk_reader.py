@@ -284,7 +284,7 @@ class ChunkReader:
                     dest,
                     sums,
                     "cached_read_bytes",
-                )  # fmt: skip
+                )
             )
         fds = files.pick(
             [segment for _, segment in owners],
@@ -303,7 +303,7 @@ class ChunkReader:
         # sequential window for the engine, which read those faster and
         # steadier than a stream (docs/design.md §19).
         buffered = {
-            pos for pos, (_, _, _, dest) in owners if dest.nbytes > _STREAM_ABOVE_BYTES
+            pos for pos, (_, _, _, rows) in owners if rows.nbytes > _STREAM_ABOVE_BYTES
         } - cached_layers
         if not _STREAM_UNCACHED:
             buffered.clear()
