@@ -65,6 +65,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_harness import BLOCK_SIZE, WARMUP_TOKENS  # scripts/, next to this file
+
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = str(ROOT / "scripts" / "vllm_harness.py")
 
@@ -202,7 +204,8 @@ def main() -> int:
     t_floor = statistics.median(r["seconds"] for r in runs["floor"]["results"][1::2])
     # the disk's time for one prompt's KV: our chunk files hold the prompts'
     # blocks and the warm-up prompt's (bytes are proportional to tokens)
-    stored_tokens = hits["ours_hit"] + WARMUP_STORED_TOKENS
+    warmup_stored = WARMUP_TOKENS // BLOCK_SIZE * BLOCK_SIZE  # full blocks
+    stored_tokens = hits["ours_hit"] + warmup_stored
     raw_per_prompt = raw_s * hits["ours_hit"] / stored_tokens / num_prompts
     floor_hits = [r["num_cached_tokens"] for r in runs["floor"]["results"][1::2]]
     result = {
@@ -353,9 +356,6 @@ def idle_step_us(steps: int = 5000) -> float:
         scheduler.close()
     return elapsed / steps * 1e6
 
-
-#: Tokens the harness's warm-up prompt stores: 100 tokens, 3 full blocks of 32.
-WARMUP_STORED_TOKENS = 96
 
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 DROP_METHOD = "drop_caches" if os.access(DROP_CACHES, os.W_OK) else "fadvise"

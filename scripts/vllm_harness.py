@@ -23,6 +23,11 @@ import sys
 import time
 from typing import Any
 
+#: Tokens of the unrelated prompt each run sends first (the connector stores
+#: its full blocks too), and the default KV block size.
+WARMUP_TOKENS = 100
+BLOCK_SIZE = 32
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -124,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     startup_s = time.perf_counter() - started
     # The first requests of a process pay one-off costs (kernel selection for
     # new shapes, engines, threads); a short unrelated prompt takes them first.
-    warmup = [TokensPrompt(prompt_token_ids=[5 + i % 1000 for i in range(100)])]
+    warmup = [TokensPrompt(prompt_token_ids=[5 + i for i in range(WARMUP_TOKENS)])]
     llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True
@@ -184,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--connector", choices=("none", "npukv", "example"), default="none")
     go.add_argument("--extra", default="", help="kv_connector_extra_config as JSON")
     go.add_argument("--max-tokens", type=int, default=8)
-    go.add_argument("--block-size", type=int, default=32)
+    go.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     go.add_argument("--dtype", default="float32", help="model and KV dtype")
     go.add_argument("--max-model-len", type=int, default=1024)
     go.add_argument(
