@@ -17,6 +17,7 @@
 #include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #define NKV_MAX_PARTS 64
@@ -25,39 +26,68 @@
 #define NKV_HASH_RANGE_NAME nkv_hash_range_baseline
 #include "hash_rows.h"
 
-/* The row loop compiled for AVX2 (checksum_avx2.c), picked at run time:
- * xxh3 then hashes about twice as fast as with the SSE2 baseline. */
+/* The row loop compiled for AVX2 (checksum_avx2.c), picked at import where
+ * the CPU has it: xxh3 then hashes about twice as fast as with the SSE2
+ * baseline (20 against 11 GB/s in L2 on this VM). An AVX-512 build hashed at
+ * 30 GB/s in L2 but read cached chunks no faster (docs/design.md §20), so it is
+ * not built: on some Xeons its frequency drop slows the serving threads too. */
+typedef void (*nkv_hash_rows_fn)(const Py_buffer *, Py_ssize_t, Py_ssize_t,
+                                 unsigned char *);
+typedef void (*nkv_hash_range_fn)(XXH3_state_t *, const char *, size_t, size_t,
+                                  size_t);
+
 #if defined(__x86_64__) && defined(__GNUC__)
 void nkv_hash_rows_avx2(const Py_buffer *views, Py_ssize_t nparts,
                         Py_ssize_t nrows, unsigned char *out);
 void nkv_hash_range_avx2(XXH3_state_t *states, const char *part, size_t row_bytes,
                          size_t pos, size_t end);
+#define NKV_HAVE_AVX2_KERNEL 1
+#endif
+
+/* One kernel per instruction set; all give the same digests (xxh3 is defined
+ * by its output, not its SIMD width), which the tests check on every kernel
+ * this CPU can run. */
+static const struct nkv_hash_kernel {
+    const char *name;
+    const char *cpu_feature; /* NULL: any CPU */
+    nkv_hash_rows_fn rows;
+    nkv_hash_range_fn range;
+} nkv_hash_kernels[] = {
+#ifdef NKV_HAVE_AVX2_KERNEL
+    {"avx2", "avx2", nkv_hash_rows_avx2, nkv_hash_range_avx2},
+#endif
+    {"baseline", NULL, nkv_hash_rows_baseline, nkv_hash_range_baseline},
+};
+#define NKV_HASH_KERNELS (sizeof(nkv_hash_kernels) / sizeof(nkv_hash_kernels[0]))
+
+/* The kernel in use: set once at import (the widest this CPU runs), changed
+ * only by _hash_kernel() in tests and benchmarks. */
+static const struct nkv_hash_kernel *nkv_hash = NULL;
+
+static int
+nkv_kernel_runs(const struct nkv_hash_kernel *kernel)
+{
+#ifdef NKV_HAVE_AVX2_KERNEL
+    /* __builtin_cpu_supports wants a string literal: avx2 is the only one */
+    return kernel->cpu_feature == NULL || __builtin_cpu_supports("avx2");
+#else
+    return kernel->cpu_feature == NULL;
+#endif
+}
 
 static void
 nkv_hash_rows(const Py_buffer *views, Py_ssize_t nparts, Py_ssize_t nrows,
               unsigned char *out)
 {
-    if (__builtin_cpu_supports("avx2")) {
-        nkv_hash_rows_avx2(views, nparts, nrows, out);
-    } else {
-        nkv_hash_rows_baseline(views, nparts, nrows, out);
-    }
+    nkv_hash->rows(views, nparts, nrows, out);
 }
 
 static void
 nkv_hash_range(XXH3_state_t *states, const char *part, size_t row_bytes, size_t pos,
                size_t end)
 {
-    if (__builtin_cpu_supports("avx2")) {
-        nkv_hash_range_avx2(states, part, row_bytes, pos, end);
-    } else {
-        nkv_hash_range_baseline(states, part, row_bytes, pos, end);
-    }
+    nkv_hash->range(states, part, row_bytes, pos, end);
 }
-#else
-#define nkv_hash_rows nkv_hash_rows_baseline
-#define nkv_hash_range nkv_hash_range_baseline
-#endif
 
 /* `parts` as a fast sequence of 1..NKV_MAX_PARTS items, with nrows >= 1; NULL
  * with TypeError or ValueError naming `fn` otherwise. */
@@ -277,7 +307,63 @@ done:
     return out;
 }
 
+static PyObject *
+nkv_hash_kernel(PyObject *module, PyObject *args)
+{
+    const char *want = NULL;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "|z:_hash_kernel", &want)) {
+        return NULL;
+    }
+    if (want != NULL) {
+        const struct nkv_hash_kernel *found = NULL;
+        for (size_t k = 0; k < NKV_HASH_KERNELS; k++) {
+            if (strcmp(nkv_hash_kernels[k].name, want) == 0 &&
+                nkv_kernel_runs(&nkv_hash_kernels[k])) {
+                found = &nkv_hash_kernels[k];
+            }
+        }
+        if (found == NULL) {
+            PyErr_Format(PyExc_ValueError,
+                         "_hash_kernel: found %.50s, expected one of the kernels "
+                         "this CPU runs (see _hash_kernels())",
+                         want);
+            return NULL;
+        }
+        nkv_hash = found;
+    }
+    return PyUnicode_FromString(nkv_hash->name);
+}
+
+static PyObject *
+nkv_hash_kernel_names(PyObject *module, PyObject *unused)
+{
+    (void)module;
+    (void)unused;
+    PyObject *names = PyList_New(0);
+    for (size_t k = 0; names != NULL && k < NKV_HASH_KERNELS; k++) {
+        if (!nkv_kernel_runs(&nkv_hash_kernels[k])) {
+            continue;
+        }
+        PyObject *name = PyUnicode_FromString(nkv_hash_kernels[k].name);
+        if (name == NULL || PyList_Append(names, name) < 0) {
+            Py_XDECREF(name);
+            Py_CLEAR(names);
+        } else {
+            Py_DECREF(name);
+        }
+    }
+    return names;
+}
+
 static PyMethodDef nkv_checksum_methods[] = {
+    {"_hash_kernel", nkv_hash_kernel, METH_VARARGS,
+     "_hash_kernel([name]) -> str\n"
+     "The xxh3 kernel in use; with a name (one of _hash_kernels()), use that\n"
+     "one instead (tests and benchmarks). Not thread-safe against hashing."},
+    {"_hash_kernels", nkv_hash_kernel_names, METH_NOARGS,
+     "_hash_kernels() -> list[str]\n"
+     "The xxh3 kernels this CPU runs, widest first."},
     {"pread_rows_xxh3", nkv_pread_rows_xxh3, METH_VARARGS,
      "pread_rows_xxh3(fd, parts, nrows) -> bytes\n"
      "Read each (offset, buffer[, reversed]) part from fd into its buffer and\n"
@@ -293,6 +379,11 @@ static PyMethodDef nkv_checksum_methods[] = {
 int
 nkv_checksum_exec(PyObject *module)
 {
+    for (size_t k = 0; nkv_hash == NULL && k < NKV_HASH_KERNELS; k++) {
+        if (nkv_kernel_runs(&nkv_hash_kernels[k])) {
+            nkv_hash = &nkv_hash_kernels[k];
+        }
+    }
     return PyModule_AddFunctions(module, nkv_checksum_methods);
 }
 

@@ -6,6 +6,7 @@ stale build, with one warning.
 
     sync_file_range_write() - start writeback of a file range, don't wait
     page_residency()        - which pages of a file range the page cache holds
+    cached_pages()          - how many pages of each of many ranges it holds
     pread_rows_xxh3()       - read file ranges into buffers and checksum their
                               rows in the same pass (cached chunks)
     xxh3_rows()             - xxh3_64 of each row over several parts (block
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 #: anything with the buffer protocol (collections.abc.Buffer needs Python 3.12)
 BufferLike = Any
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
 _COPY_MAX_THREADS = 64  # native/copy.c NKV_COPY_MAX_THREADS
 
@@ -270,6 +271,44 @@ def page_residency(fd: int, offset: int, nbytes: int) -> np.ndarray:
     """
     impl = IMPL if IMPL is not None else _TWIN
     return np.frombuffer(impl.page_residency(fd, offset, nbytes), dtype=np.uint8)
+
+
+def cached_pages(fd: int, ranges: np.ndarray) -> np.ndarray:
+    """``int64 [n]``: for each ``(offset, nbytes)`` row of ``ranges`` (int64
+    ``[n, 2]``), how many pages of that range the page cache holds; an empty
+    range holds none.
+
+    Native: cachestat(2) per range, or where it is missing or filtered, one
+    mincore over their span. Twin: :func:`page_residency` over the span.
+
+    Raises:
+        OSError: neither can be asked (a filesystem without mmap, a bad fd).
+        ValueError: a negative offset or size.
+    """
+    pairs = np.ascontiguousarray(ranges, dtype=np.int64).reshape(-1, 2)
+    if IMPL is not None:
+        counts = np.frombuffer(IMPL.cached_pages(fd, pairs), dtype=np.uint64)
+        return counts.astype(np.int64)
+    bad = np.nonzero((pairs < 0).any(axis=1))[0]
+    if len(bad):
+        offset, nbytes = pairs[bad[0]].tolist()
+        raise ValueError(
+            f"cached_pages: range {bad[0]} has offset {offset} and nbytes "
+            f"{nbytes}, expected both >= 0"
+        )
+    counts = np.zeros(len(pairs), dtype=np.int64)
+    used = pairs[:, 1] > 0
+    if not used.any():
+        return counts
+    page = mmap.PAGESIZE
+    start = int(pairs[used, 0].min()) // page * page
+    end = int((pairs[used, 0] + pairs[used, 1]).max())
+    resident = np.frombuffer(_TWIN.page_residency(fd, start, end - start), np.uint8)
+    totals = np.concatenate(([0], np.cumsum(resident, dtype=np.int64)))
+    lo = (pairs[used, 0] - start) // page
+    hi = (pairs[used, 0] + pairs[used, 1] - 1 - start) // page + 1
+    counts[used] = totals[hi] - totals[lo]
+    return counts
 
 
 def pread_rows_xxh3(

@@ -208,13 +208,15 @@ class ChunkReader:
             header = self._header(chunk_id, fd, path)
             if header is None:
                 return []
-            items = [
-                (i, r)
-                for i, r in items
-                if r < header.num_blocks and header.keys[r] == keys[i]
-            ]
-            good = self._read_layers(files, header, items, layers, dest)
-            if len(good) < len(items):
+            rows = _ChunkRows(
+                [
+                    (i, r)
+                    for i, r in items
+                    if r < header.num_blocks and header.keys[r] == keys[i]
+                ]
+            )
+            good = self._read_layers(files, header, rows, layers, dest)
+            if len(good) < len(rows.items):
                 self._mark_corrupt(chunk_id)
             return good
         except OSError:
@@ -228,7 +230,7 @@ class ChunkReader:
         self,
         files: _ChunkFiles,
         header: ChunkHeader,
-        items: list[Item],
+        rows: _ChunkRows,
         layers: list[int],
         dest: dict[str, DestRows],
     ) -> list[int]:
@@ -239,7 +241,7 @@ class ChunkReader:
         queue_depth requests in flight, and each such layer is verified as soon
         as its last read completes, so checksums of early layers overlap the
         disk reading later ones."""
-        plans = [_segments(header, items, li, dest) for li in layers]
+        plans = [_segments(header, rows, li, dest) for li in layers]
         found_shares = files.cached_shares([seg for plan in plans for seg in plan])
         # unknown (no mmap): treat as uncached, as before residency was asked
         shares = (
@@ -279,7 +281,7 @@ class ChunkReader:
                     self._read_buffered_layers,
                     files.fd,
                     header,
-                    items,
+                    rows,
                     cached_verified[lo:hi],
                     dest,
                     sums,
@@ -316,7 +318,7 @@ class ChunkReader:
             owners = [owners[i] for i in kept]
             fds = [fds[i] for i in kept]
         stream_task = (
-            files.fd, header, items, [layers[p] for p in streamed], dest, sums,
+            files.fd, header, rows, [layers[p] for p in streamed], dest, sums,
             "streamed_read_bytes",
         )  # fmt: skip
         if streamed and owners:  # the engine reads the rest meanwhile
@@ -364,7 +366,7 @@ class ChunkReader:
                         # checksum.
                         checks.append(
                             self._verifier().submit(
-                                self._bad_rows, header, items, layers[pos], dest, sums
+                                self._bad_rows, header, rows, layers[pos], dest, sums
                             )
                         )
         finally:
@@ -373,7 +375,7 @@ class ChunkReader:
             wait(checks)
         for bad in _all_results(checks):
             failed |= bad
-        return [i for i, _ in items if i not in failed]
+        return [i for i, _ in rows.items if i not in failed]
 
     def _verifier(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -411,7 +413,7 @@ class ChunkReader:
     def _bad_rows(
         self,
         header: ChunkHeader,
-        items: list[Item],
+        rows: _ChunkRows,
         li: int,
         dest: dict[str, DestRows],
         sums: np.ndarray,
@@ -420,7 +422,7 @@ class ChunkReader:
         checksum call per run of consecutive rows (GIL-free when native)."""
         arrays = [dest[entry.name] for entry in header.layers[li]]
         bad: set[int] = set()
-        for first, row, count in _runs(items):
+        for first, row, count in rows.runs:
             found = layer_checksums([a[first : first + count] for a in arrays], count)
             self._compare(header, li, first, row, found, sums, bad)
         return bad
@@ -429,7 +431,7 @@ class ChunkReader:
         self,
         fd: int,
         header: ChunkHeader,
-        items: list[Item],
+        rows: _ChunkRows,
         layer_indices: list[int],
         dest: dict[str, DestRows],
         sums: np.ndarray,
@@ -441,7 +443,7 @@ class ChunkReader:
         bad: set[int] = set()
         for li in layer_indices:
             bad |= self._read_cached_layer(
-                fd, header, items, li, dest, sums, counter=counter
+                fd, header, rows, li, dest, sums, counter=counter
             )
         return bad
 
@@ -449,7 +451,7 @@ class ChunkReader:
         self,
         fd: int,
         header: ChunkHeader,
-        items: list[Item],
+        rows: _ChunkRows,
         li: int,
         dest: dict[str, DestRows],
         sums: np.ndarray,
@@ -460,7 +462,7 @@ class ChunkReader:
         hashed while in cache; the checksums are compared only when this
         reader verifies); returns the key indices that failed."""
         bad: set[int] = set()
-        for first, row, count, step in _row_runs(items):
+        for first, row, count, step in rows.row_runs:
             # keys of a run going down sit in memory in reverse file order
             low = first if step == 1 else first - count + 1
             parts = [
@@ -544,25 +546,21 @@ class _ChunkFiles:
         self.direct_fd: int | None = None
 
     def cached_shares(self, segments: list[Segment]) -> np.ndarray | None:
-        """Per segment, the share of its pages the page cache holds (one
-        mincore over the span of all of them); None where that cannot be
-        asked (a filesystem without mmap)."""
+        """Per segment, the share of its pages the page cache holds; None
+        where that cannot be asked (a filesystem without mmap)."""
         if not segments:
             return np.zeros(0)
-        page = mmap.PAGESIZE
-        first = min(offset for offset, _, _, _ in segments)
-        end = max(offset + dest.nbytes for offset, _, _, dest in segments)
+        ranges = np.array(
+            [(offset, dest.nbytes) for offset, _, _, dest in segments], dtype=np.int64
+        )
         try:
-            cached = native.page_residency(self.fd, first, end - first)
+            cached = native.cached_pages(self.fd, ranges)
         except OSError:
             return None
-        totals = np.concatenate(([0], np.cumsum(cached, dtype=np.int64)))
-        base = first // page
-        shares = np.ones(len(segments))
-        for i, (offset, _, _, dest) in enumerate(segments):
-            lo = offset // page - base
-            hi = (offset + max(dest.nbytes, 1) - 1) // page - base + 1
-            shares[i] = (totals[hi] - totals[lo]) / (hi - lo)
+        page = mmap.PAGESIZE
+        pages = (ranges[:, 0] + np.maximum(ranges[:, 1], 1) - 1) // page
+        pages -= ranges[:, 0] // page - 1
+        shares: np.ndarray = cached / pages
         return shares
 
     def pick(self, segments: list[Segment], shares: np.ndarray | None) -> list[int]:
@@ -640,15 +638,28 @@ def _file_adjacent_groups(
     return groups
 
 
+class _ChunkRows:
+    """The items of one chunk read with their runs, worked out once per chunk:
+    planned again for every layer and tensor, they took a tenth of a warm
+    read's time (docs/design.md §20)."""
+
+    __slots__ = ("items", "runs", "row_runs")
+
+    def __init__(self, items: list[Item]) -> None:
+        self.items = items
+        self.runs = _runs(items)
+        self.row_runs = _row_runs(items)
+
+
 def _segments(
-    header: ChunkHeader, items: list[Item], li: int, dest: dict[str, DestRows]
+    header: ChunkHeader, rows: _ChunkRows, li: int, dest: dict[str, DestRows]
 ) -> list[Segment]:
     """Reads of layer ``li`` for the items: one per run of consecutive rows that
     land in consecutive destination rows, per tensor; sorted by file offset."""
     segments = [
         (entry.begin + row * entry.row_bytes, i, count, dest[entry.name][i : i + count])
         for entry in header.layers[li]
-        for i, row, count in _runs(items)
+        for i, row, count in rows.runs
     ]
     segments.sort(key=lambda segment: segment[0])
     return segments

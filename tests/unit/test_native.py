@@ -7,7 +7,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from npukv_store import native
 
@@ -80,9 +84,6 @@ def test_env_selects_the_twin():
 
 
 def test_xxh3_rows_matches_python_xxhash(impl):
-    import numpy as np
-    import xxhash
-
     rng = np.random.default_rng(7)
     k = rng.integers(0, 255, (5, 300), dtype=np.uint8)
     v = rng.integers(0, 255, (5, 100), dtype=np.uint8)
@@ -142,3 +143,150 @@ def test_native_checksums_are_always_built():
 
     assert hasattr(_native, "xxh3_rows")
     assert hasattr(_native, "pread_rows_xxh3")
+
+
+@pytest.fixture(params=["native", "native-mincore", "twin"])
+def residency_impl(request, monkeypatch):
+    """cached_pages three ways: cachestat, the native mincore fallback (what
+    kernels before 6.5 and seccomp-filtered containers get), the twin."""
+    if request.param == "twin":
+        monkeypatch.setattr(native, "IMPL", None)
+        yield request.param
+        return
+    from npukv_store import _native
+
+    before = _native._use_cachestat()
+    _native._use_cachestat(request.param == "native")
+    try:
+        yield request.param
+    finally:
+        _native._use_cachestat(before)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # set per param
+)
+@given(
+    cached=st.lists(st.booleans(), min_size=24, max_size=24),
+    ranges=st.lists(
+        st.tuples(st.integers(0, 30 * 4096), st.integers(0, 12 * 4096)), max_size=12
+    ),
+)
+def test_cached_pages_counts_what_page_residency_sees(
+    residency_impl, tmp_path_factory, cached, ranges
+):
+    """Random pages cached, random ranges (empty ones, ones past the end of
+    the file): each count equals the resident pages page_residency reports."""
+    page = os.sysconf("SC_PAGESIZE")
+    path = tmp_path_factory.mktemp("cached") / "f"
+    path.write_bytes(os.urandom(24 * page))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if native.page_residency(fd, 0, 24 * page).any():
+            pytest.skip(f"{path.parent} keeps file pages resident (tmpfs?)")
+        for index, wanted in enumerate(cached):
+            if wanted:
+                os.pread(fd, 1, index * page)
+        pairs = np.array(ranges, dtype=np.int64).reshape(-1, 2)
+        counts = native.cached_pages(fd, pairs)
+        assert counts.dtype == np.int64
+        assert counts.shape == (len(ranges),)
+        for (offset, nbytes), count in zip(ranges, counts.tolist(), strict=True):
+            expected = int(native.page_residency(fd, offset, nbytes).sum()) * (
+                nbytes > 0
+            )
+            assert count == expected, (offset, nbytes)
+    finally:
+        os.close(fd)
+
+
+def test_cached_pages_bad_input(residency_impl, tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10_000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert native.cached_pages(fd, np.zeros((0, 2), np.int64)).size == 0
+        with pytest.raises(ValueError, match="range 1 has offset -5"):
+            native.cached_pages(fd, np.array([[0, 10], [-5, 10]]))
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError, match="cached_pages|page_residency|Bad file"):
+        native.cached_pages(fd, np.array([[0, 4096]]))  # closed fd
+
+
+@pytest.fixture(params=["avx2", "baseline"])
+def hash_kernel(request):
+    """Every xxh3 kernel of native/checksum.c this CPU can run."""
+    from npukv_store import _native
+
+    if request.param not in _native._hash_kernels():
+        pytest.skip(f"this CPU cannot run the {request.param} kernel")
+    before = _native._hash_kernel()
+    _native._hash_kernel(request.param)
+    try:
+        yield request.param
+    finally:
+        _native._hash_kernel(before)
+
+
+def test_the_widest_kernel_is_picked_and_unknown_ones_refused():
+    from npukv_store import _native
+
+    kernels = _native._hash_kernels()
+    assert kernels[-1] == "baseline"
+    assert _native._hash_kernel() == kernels[0]
+    with pytest.raises(ValueError, match="found sse9"):
+        _native._hash_kernel("sse9")
+    assert _native._hash_kernel() == kernels[0]
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # set per param
+)
+@given(
+    num_rows=st.integers(1, 5),
+    part_row_bytes=st.lists(
+        st.sampled_from([0, 1, 16, 17, 128, 129, 240, 241, 1024, 4099, 70_001]),
+        min_size=1,
+        max_size=3,
+    ),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_every_hash_kernel_matches_python_xxhash(
+    hash_kernel, tmp_path_factory, num_rows, part_row_bytes, seed
+):
+    """Each kernel gives python-xxhash's xxh3_64 for every input length class
+    (xxh3 has separate paths up to 16, 128 and 240 bytes, then the SIMD loop),
+    one-shot (xxh3_rows with one part), streamed over parts, and in
+    pread_rows_xxh3's 256 KiB pieces that cut rows."""
+    rng = np.random.default_rng(seed)
+    parts = [
+        rng.integers(0, 256, (num_rows, row), dtype=np.uint8) for row in part_row_bytes
+    ]
+    if sum(part_row_bytes) == 0:
+        return  # nothing to hash: xxh3_rows wants whole rows of some bytes
+    want = [
+        xxhash.xxh3_64(b"".join(p[r].tobytes() for p in parts)).intdigest()
+        for r in range(num_rows)
+    ]
+    assert native.xxh3_rows(parts, num_rows).tolist() == want
+    path = tmp_path_factory.mktemp("kernel") / "f"
+    path.write_bytes(b"".join(p.tobytes() for p in parts))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        outs = [np.empty_like(p) for p in parts]
+        offsets = np.cumsum([0] + [p.nbytes for p in parts[:-1]]).tolist()
+        got = native.pread_rows_xxh3(
+            fd, [(o, out) for o, out in zip(offsets, outs, strict=True)], num_rows
+        )
+    finally:
+        os.close(fd)
+    assert got.tolist() == want
+    for out, part in zip(outs, parts, strict=True):
+        np.testing.assert_array_equal(out, part)
