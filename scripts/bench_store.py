@@ -54,7 +54,12 @@ written and read back in batches of 64 MiB. Measured in one run:
             round with the better p50 is reported.
 
 Reads are measured cold (page cache dropped just before, see
-``cache_drop_method``) and warm (right after the cold read). On a virtual disk
+``cache_drop_method``) and warm (right after the cold read). Each read row also
+reports the process CPU seconds per GB of its least-CPU round (``CPU s/GB``,
+JSON ``<case>_cpu_s_per_gb``): the store reads with several threads and
+verifies every byte, so it spends more CPU per byte than LMDB's one-thread
+copy, and on a VM whose host takes back CPU time (``cpu_steal_share``, from
+/proc/stat over the run) its warm reads lose the cores they count on. On a virtual disk
 "cold" only empties the guest's cache; the host may still hold the data.
 
 Reading the table: GB/s counts payload bytes only (headers, checksums and index
@@ -94,7 +99,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import lmdb
@@ -149,6 +154,8 @@ class Context:
     root: Path
     drop_method: str
     check: bool  # compare read bytes with the payload (untimed)
+    #: per read case, the least process CPU seconds (all threads) of a round
+    cpu: dict[Case, float] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -253,6 +260,25 @@ def git_commit() -> str:
     """Short HEAD, plus ``+dirty`` if npukv_store/ has uncommitted changes."""
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("+dirty" if _git("status", "--porcelain", "npukv_store") else "")
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(all, steal) jiffies of every CPU since boot; None off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(fields), fields[7] if len(fields) > 7 else 0
+
+
+def steal_share(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float:
+    """The share of CPU time the hypervisor gave to others during the run (a
+    VM's "steal"): 0.4 means the two threads of a read got 1.2 cores. -1 where
+    it cannot be read."""
+    if start is None or end is None or end[0] <= start[0]:
+        return -1.0
+    return round((end[1] - start[1]) / (end[0] - start[0]), 4)
 
 
 def host_info() -> dict[str, object]:
@@ -522,6 +548,22 @@ def record(best: Best, case: Case, seconds: float) -> None:
     best[case] = min(seconds, best.get(case, float("inf")))
 
 
+def cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def record_read(
+    best: Best, ctx: Context, case: Case, read: Callable[[], float]
+) -> None:
+    """``record`` one read, and the CPU time it took: a store that verifies
+    every byte spends more CPU per byte than one that copies, and on a VM the
+    host may not give its second core (``cpu_steal_share``)."""
+    cpu = cpu_seconds()
+    record(best, case, read())
+    ctx.cpu[case] = min(cpu_seconds() - cpu, ctx.cpu.get(case, float("inf")))
+
+
 def read_twice(
     best: Best,
     ctx: Context,
@@ -535,10 +577,10 @@ def read_twice(
     untimed read in between, for the store, whose first read of a chunk goes
     around the page cache (O_DIRECT) and whose second read admits it."""
     drop_cache(path, ctx.drop_method)
-    record(best, Case(name, block, COLD), read())
+    record_read(best, ctx, Case(name, block, COLD), read)
     if admit:
         read()
-    record(best, Case(name, block, WARM), read())
+    record_read(best, ctx, Case(name, block, WARM), read)
 
 
 def run_raw(best: Best, ctx: Context) -> None:
@@ -605,8 +647,11 @@ def run_lmdb(best: Best, ctx: Context, block: int) -> None:
     drop_cache(path, ctx.drop_method)
     env = lmdb_open(path, ctx.total)  # opened after the drop: a cold start
     try:
-        record(best, Case("lmdb", block, COLD), lmdb_read(ctx, env, keys, block))
-        record(best, Case("lmdb", block, WARM), lmdb_read(ctx, env, keys, block))
+        for op in (COLD, WARM):
+            record_read(
+                best, ctx, Case("lmdb", block, op),
+                lambda: lmdb_read(ctx, env, keys, block),
+            )  # fmt: skip
     finally:
         env.close()
     shutil.rmtree(path)
@@ -724,24 +769,36 @@ def row_order(case: Case) -> tuple[int, int, int]:
     return OPS.index(case.op), list(LABELS).index(case.name), -case.block
 
 
-def table(best: Best, total: int, lookup: tuple[float, float]) -> str:
-    header = f"{'case':<42} {'block':>6} {'bytes':>11} {'GB/s':>17} {'ratio':>6}"
+def table(
+    best: Best, total: int, lookup: tuple[float, float], cpu: dict[Case, float]
+) -> str:
+    header = (
+        f"{'case':<42} {'block':>6} {'bytes':>11} {'GB/s':>17} {'ratio':>6} "
+        f"{'CPU s/GB':>8}"
+    )
     lines = [header, "-" * len(header)]
     for case, seconds in best.items():
         rate = gbps(total, seconds)
         ratio = rate / raw_limit(best, total, case.op)
         name = f"{LABELS[case.name]} {case.op}"
         block = _size_label(case.block) if case.block else "-"
-        lines.append(f"{name:<42} {block:>6} {total:>11} {rate:>17.3f} {ratio:>6.2f}")
+        spent = f"{cpu[case] / (total / 1e9):.3f}" if case in cpu else "-"
+        lines.append(
+            f"{name:<42} {block:>6} {total:>11} {rate:>17.3f} {ratio:>6.2f} {spent:>8}"
+        )
     p50, p99 = lookup
     name = f"ours lookup {LOOKUP_CHAIN} keys"
     lookup_text = f"p50 {p50:.1f}/p99 {p99:.1f} us"
-    lines.append(f"{name:<42} {'-':>6} {'-':>11} {lookup_text:>17} {'-':>6}")
+    lines.append(f"{name:<42} {'-':>6} {'-':>11} {lookup_text:>17} {'-':>6} {'-':>8}")
     return "\n".join(lines)
 
 
 def results_json(
-    best: Best, total: int, lookup: tuple[float, float], meta: dict[str, object]
+    best: Best,
+    total: int,
+    lookup: tuple[float, float],
+    meta: dict[str, object],
+    cpu: dict[Case, float],
 ) -> dict[str, object]:
     out: dict[str, object] = dict(meta)
     for case, seconds in best.items():
@@ -750,6 +807,8 @@ def results_json(
         if case.name not in RAW_LIMITS:
             ratio = rate / raw_limit(best, total, case.op)
             out[f"{case.key}_ratio"] = round(ratio, 4)
+        if case in cpu:
+            out[f"{case.key}_cpu_s_per_gb"] = round(cpu[case] / (total / 1e9), 4)
 
     def speed(name: str, op: str, block: int = 2 * MIB) -> float:
         return gbps(total, best[Case(name, block, op)])
@@ -783,6 +842,8 @@ def results_json(
         "ours>safetensors_read_cold": speed("ours_onecall", COLD) > speed("st", COLD),
         "ours>lmdb_write": speed("ours", WRITE) > speed("lmdb", WRITE),
         "ours>lmdb_read_cold": speed("ours_onecall", COLD) > speed("lmdb", COLD),
+        "ours>safetensors_read_warm": speed("ours_onecall", WARM) > speed("st", WARM),
+        "ours>lmdb_read_warm": speed("ours_onecall", WARM) > speed("lmdb", WARM),
     }
     # the same comparisons for one read call per 64 MiB batch
     out["per_batch_read_cold_faster"] = {
@@ -819,6 +880,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     commit = git_commit()  # now: the code this process imported
     load_start = os.getloadavg()[0]
+    steal_start = cpu_ticks()
     try:
         drop_method = probe_drop_method()
         rng = np.random.default_rng(SEED)
@@ -853,11 +915,13 @@ def main(argv: list[str] | None = None) -> int:
             "batch_bytes": BATCH_BYTES,
             "quick": args.quick,
             "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]},
+            "cpu_steal_share": steal_share(steal_start, cpu_ticks()),
             "lookup256_us_rounds": [[round(v, 2) for v in pair] for pair in lookups],
         }
         best = dict(sorted(best.items(), key=lambda item: row_order(item[0])))
-        print(table(best, args.total, lookup))
-        result = results_json(best, args.total, lookup, meta)
+        print(table(best, args.total, lookup, ctx.cpu))
+        print(f"cpu steal share (VM): {meta['cpu_steal_share']}")
+        result = results_json(best, args.total, lookup, meta, ctx.cpu)
         result["wall_s"] = round(time.perf_counter() - started, 1)
         print(
             f"ratios: write {result['write_ratio']}, read cold "
