@@ -104,6 +104,7 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
+from bench_host import cpu_ticks, steal_share  # scripts/, next to this file
 from safetensors.numpy import load_file, save_file
 
 from npukv_store.config import StoreConfig
@@ -260,25 +261,6 @@ def git_commit() -> str:
     """Short HEAD, plus ``+dirty`` if npukv_store/ has uncommitted changes."""
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("+dirty" if _git("status", "--porcelain", "npukv_store") else "")
-
-
-def cpu_ticks() -> tuple[int, int] | None:
-    """(all, steal) jiffies of every CPU since boot; None off Linux."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return sum(fields), fields[7] if len(fields) > 7 else 0
-
-
-def steal_share(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float:
-    """The share of CPU time the hypervisor gave to others during the run (a
-    VM's "steal"): 0.4 means the two threads of a read got 1.2 cores. -1 where
-    it cannot be read."""
-    if start is None or end is None or end[0] <= start[0]:
-        return -1.0
-    return round((end[1] - start[1]) / (end[0] - start[0]), 4)
 
 
 def host_info() -> dict[str, object]:
