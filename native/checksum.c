@@ -307,6 +307,125 @@ done:
     return out;
 }
 
+/* One layer's parts, parsed: pread_layers_xxh3 keeps one per layer. */
+typedef struct {
+    Py_ssize_t nparts;
+    Py_ssize_t first; /* index of its first part in the flat arrays */
+} nkv_layer_parts;
+
+/* pread_layers_xxh3(fd, layers, nrows): pread_rows_xxh3 of each layer's parts,
+ * the digests of layer l at rows [l * nrows, (l + 1) * nrows). One call for a
+ * verifier task's layers instead of one per layer: the GIL is taken back and
+ * the arguments parsed once (docs/design.md §20). */
+static PyObject *
+nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
+{
+    int fd;
+    PyObject *layers;
+    Py_ssize_t nrows;
+    PyObject *layer_seq = NULL;
+    nkv_layer_parts *spans = NULL;
+    Py_buffer *views = NULL;
+    long long *offsets = NULL;
+    int *reversed = NULL;
+    Py_ssize_t nviews = 0; /* views held, to release */
+    PyObject *out = NULL;
+    XXH3_state_t *states = NULL;
+    int err = 0;
+
+    (void)module;
+    if (!PyArg_ParseTuple(args, "iOn:pread_layers_xxh3", &fd, &layers, &nrows)) {
+        return NULL;
+    }
+    layer_seq = PySequence_Fast(layers, "layers must be a sequence");
+    if (layer_seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t nlayers = PySequence_Fast_GET_SIZE(layer_seq);
+    if (nlayers < 1 || nrows < 1) {
+        PyErr_Format(PyExc_ValueError,
+                     "pread_layers_xxh3: found %zd layers and %zd rows, expected "
+                     ">= 1 of each",
+                     nlayers, nrows);
+        goto done;
+    }
+    Py_ssize_t capacity = nlayers * NKV_MAX_PARTS;
+    spans = PyMem_Calloc((size_t)nlayers, sizeof(*spans));
+    views = PyMem_Calloc((size_t)capacity, sizeof(*views));
+    offsets = PyMem_Calloc((size_t)capacity, sizeof(*offsets));
+    reversed = PyMem_Calloc((size_t)capacity, sizeof(*reversed));
+    if (spans == NULL || views == NULL || offsets == NULL || reversed == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t l = 0; l < nlayers; l++) {
+        PyObject *parts = nkv_parts_seq("pread_layers_xxh3",
+                                        PySequence_Fast_GET_ITEM(layer_seq, l),
+                                        nrows, "(offset, buffer) pairs");
+        if (parts == NULL) {
+            goto done;
+        }
+        spans[l].first = nviews;
+        spans[l].nparts = PySequence_Fast_GET_SIZE(parts);
+        for (Py_ssize_t p = 0; p < spans[l].nparts; p++) {
+            PyObject *buffer;
+            Py_ssize_t i = nviews;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(parts, p),
+                                  "LO|p:pread_layers_xxh3 part", &offsets[i], &buffer,
+                                  &reversed[i]) ||
+                PyObject_GetBuffer(buffer, &views[i], PyBUF_WRITABLE) < 0) {
+                Py_DECREF(parts);
+                goto done;
+            }
+            nviews++;
+            if (offsets[i] < 0 || views[i].len % nrows != 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "pread_layers_xxh3: layer %zd part %zd has offset %lld "
+                             "and %zd bytes, expected offset >= 0 and a multiple of "
+                             "%zd rows",
+                             l, p, offsets[i], views[i].len, nrows);
+                Py_DECREF(parts);
+                goto done;
+            }
+        }
+        Py_DECREF(parts);
+    }
+    states = aligned_alloc(64, (size_t)nrows * sizeof(XXH3_state_t));
+    out = PyBytes_FromStringAndSize(NULL, nlayers * nrows * 8);
+    if (states == NULL || out == NULL) {
+        Py_CLEAR(out);
+        if (states == NULL) {
+            PyErr_NoMemory();
+        }
+        goto done;
+    }
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t l = 0; l < nlayers && err == 0; l++) {
+        Py_ssize_t first = spans[l].first;
+        err = nkv_pread_hash(fd, &offsets[first], &views[first], &reversed[first],
+                             spans[l].nparts, nrows, states, dst + l * nrows * 8);
+    }
+    Py_END_ALLOW_THREADS
+    if (err != 0) {
+        Py_CLEAR(out);
+        nkv_err_set(err == EIO ? "pread_layers_xxh3 (short read or I/O error)"
+                               : "pread_layers_xxh3",
+                    err);
+    }
+done:
+    free(states);
+    for (Py_ssize_t i = 0; i < nviews; i++) {
+        PyBuffer_Release(&views[i]);
+    }
+    PyMem_Free(spans);
+    PyMem_Free(views);
+    PyMem_Free(offsets);
+    PyMem_Free(reversed);
+    Py_DECREF(layer_seq);
+    return out;
+}
+
 static PyObject *
 nkv_hash_kernel(PyObject *module, PyObject *args)
 {
@@ -370,6 +489,10 @@ static PyMethodDef nkv_checksum_methods[] = {
      "return the little-endian u64 xxh3_64 of each file row over all parts,\n"
      "hashing each piece while it is in cache (GIL released); a reversed part\n"
      "puts file row j in buffer row nrows-1-j. OSError on an error or short read."},
+    {"pread_layers_xxh3", nkv_pread_layers_xxh3, METH_VARARGS,
+     "pread_layers_xxh3(fd, layers, nrows) -> bytes\n"
+     "pread_rows_xxh3 of each layer's parts in one call (GIL released once):\n"
+     "layer l's nrows little-endian u64 digests at bytes [8*l*nrows, ...)."},
     {"xxh3_rows", nkv_xxh3_rows, METH_VARARGS,
      "xxh3_rows(parts, nrows) -> bytes\n"
      "Little-endian u64 xxh3_64 of each row over all parts (GIL released)."},

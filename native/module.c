@@ -15,7 +15,7 @@
 
 /* Bumped whenever a native entry point changes meaning; npukv_store checks it
  * at import so a stale build is refused instead of misbehaving. */
-#define NKV_ABI_VERSION 7
+#define NKV_ABI_VERSION 8
 
 PyObject *
 nkv_err_set(const char *what, int err)

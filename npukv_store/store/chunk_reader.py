@@ -474,55 +474,44 @@ class ChunkReader:
         sums: np.ndarray,
         counter: str,
     ) -> set[int]:
-        """``_read_cached_layer`` of each layer in turn (in file order when
-        streaming), its bytes counted in ``counter``; the key indices that
-        failed."""
+        """Read the layers buffered (from the page cache, or through it; in
+        the given order, file order when streaming) and verify them in the
+        same pass: one native call per run of rows for all the layers (each
+        256 KiB piece hashed while in cache; the checksums are compared only
+        when this reader verifies). Their bytes count in ``counter``; returns
+        the key indices that failed."""
         bad: set[int] = set()
-        for li in layer_indices:
-            bad |= self._read_cached_layer(
-                fd, header, rows, li, dest, sums, counter=counter
-            )
-        return bad
-
-    def _read_cached_layer(
-        self,
-        fd: int,
-        header: ChunkHeader,
-        rows: _ChunkRows,
-        li: int,
-        dest: dict[str, DestRows],
-        sums: np.ndarray,
-        counter: str = "cached_read_bytes",
-    ) -> set[int]:
-        """Read layer ``li`` of the items buffered (from the page cache, or
-        through it) and verify it in the same pass (native: each 256 KiB piece
-        hashed while in cache; the checksums are compared only when this
-        reader verifies); returns the key indices that failed."""
-        bad: set[int] = set()
+        if not layer_indices:
+            return bad
         for first, row, count, step in rows.row_runs:
             # keys of a run going down sit in memory in reverse file order
             low = first if step == 1 else first - count + 1
-            parts = [
-                (
-                    entry.begin + row * entry.row_bytes,
-                    dest[entry.name][low : low + count],
-                    step == -1,
-                )
-                for entry in header.layers[li]
+            layer_parts = [
+                [
+                    (
+                        entry.begin + row * entry.row_bytes,
+                        dest[entry.name][low : low + count],
+                        step == -1,
+                    )
+                    for entry in header.layers[li]
+                ]
+                for li in layer_indices
             ]
             try:
-                found = native.pread_rows_xxh3(fd, parts, count)
-                self._counters.add(**{counter: sum(p.nbytes for _, p, _ in parts)})
+                found = native.pread_layers_xxh3(fd, layer_parts, count)
             except OSError:
                 self._counters.add(read_errors=1)
                 logger.warning(
-                    "read of %s rows %d+%d layer %d failed: a miss",
-                    header.path, row, count, li, exc_info=True,
+                    "read of %s rows %d+%d layers %s failed: a miss",
+                    header.path, row, count, layer_indices, exc_info=True,
                 )  # fmt: skip
                 bad.update(range(low, low + count))
                 continue
+            moved = sum(part.nbytes for parts in layer_parts for _, part, _ in parts)
+            self._counters.add(**{counter: moved})
             if self._verify:
-                self._compare(header, li, first, row, found, sums, bad, step)
+                for li, layer_found in zip(layer_indices, found, strict=True):
+                    self._compare(header, li, first, row, layer_found, sums, bad, step)
         return bad
 
     def _compare(

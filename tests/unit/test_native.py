@@ -290,3 +290,71 @@ def test_every_hash_kernel_matches_python_xxhash(
     assert got.tolist() == want
     for out, part in zip(outs, parts, strict=True):
         np.testing.assert_array_equal(out, part)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # set per param
+)
+@given(
+    num_layers=st.integers(1, 5),
+    num_rows=st.integers(1, 4),
+    row_bytes=st.sampled_from([8, 300, 70_001]),
+    reversed_layer=st.integers(-1, 4),
+)
+def test_pread_layers_xxh3_is_pread_rows_xxh3_per_layer(
+    impl, tmp_path_factory, num_layers, num_rows, row_bytes, reversed_layer
+):
+    """Layers of two parts each, one layer's parts reversed: the same bytes
+    land, and each layer's digests are those of pread_rows_xxh3 alone."""
+    rng = np.random.default_rng(num_layers * 100 + num_rows)
+    data = rng.integers(0, 256, num_layers * 2 * num_rows * row_bytes, np.uint8)
+    path = tmp_path_factory.mktemp("layers") / "f"
+    path.write_bytes(data.tobytes())
+    part_bytes = num_rows * row_bytes
+
+    def layout():
+        outs = [np.zeros(part_bytes, np.uint8) for _ in range(2 * num_layers)]
+        layers = [
+            [
+                (
+                    (2 * layer + p) * part_bytes,
+                    outs[2 * layer + p],
+                    layer == reversed_layer,
+                )
+                for p in range(2)
+            ]
+            for layer in range(num_layers)
+        ]
+        return outs, layers
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        outs, layers = layout()
+        found = native.pread_layers_xxh3(fd, layers, num_rows)
+        single_outs, single_layers = layout()
+        want = [native.pread_rows_xxh3(fd, parts, num_rows) for parts in single_layers]
+    finally:
+        os.close(fd)
+    assert found.dtype == np.uint64
+    assert found.shape == (num_layers, num_rows)
+    np.testing.assert_array_equal(found, np.stack(want))
+    for got, expected in zip(outs, single_outs, strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_pread_layers_xxh3_errors(impl, tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(4096))
+    out = np.zeros(1024, np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="found 0 layers"):
+            native.pread_layers_xxh3(fd, [], 2)
+        with pytest.raises(ValueError, match="multiple of 3 rows"):
+            native.pread_layers_xxh3(fd, [[(0, out)]], 3)
+        with pytest.raises(OSError, match="short read"):  # the 2nd layer ends early
+            native.pread_layers_xxh3(fd, [[(0, out)], [(3584, out)]], 2)
+    finally:
+        os.close(fd)

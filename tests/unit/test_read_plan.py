@@ -105,23 +105,25 @@ def test_a_reversed_run_is_read_from_the_cache_in_one_call(tmp_path):
         keys = store.keys_for(range(16 * 8))
         store.put(keys, block_tensors(spec, keys))
         calls = []
-        real = chunk_reader.native.pread_rows_xxh3
+        real = chunk_reader.native.pread_layers_xxh3
 
-        def counted(fd, parts, rows):
-            calls.append((rows, [part[2] for part in parts]))
-            return real(fd, parts, rows)
+        def counted(fd, layers, rows):
+            calls.append((rows, [[part[2] for part in parts] for parts in layers]))
+            return real(fd, layers, rows)
 
-        chunk_reader.native.pread_rows_xxh3 = counted
+        chunk_reader.native.pread_layers_xxh3 = counted
         try:
             backwards = keys[::-1]
             out = empty_like_blocks(spec, 8)
             assert store.read(backwards, out) == [True] * 8
         finally:
-            chunk_reader.native.pread_rows_xxh3 = real
+            chunk_reader.native.pread_layers_xxh3 = real
         for name, array in block_tensors(spec, backwards).items():
             np.testing.assert_array_equal(out[name], array)
-        # one call per layer for all eight rows, every part reversed
-        assert calls == [(8, [True, True])] * len(spec.layers)
+        # all eight rows in each call, every layer once, every part reversed
+        assert {rows for rows, _ in calls} == {8}
+        flags = [layer for _, layers in calls for layer in layers]
+        assert flags == [[True, True]] * len(spec.layers)
         # a flipped byte in chunk row 2 is a miss for key index 5 only
         import os
 
