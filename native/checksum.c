@@ -349,11 +349,19 @@ nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
                      nlayers, nrows);
         goto done;
     }
-    Py_ssize_t capacity = nlayers * NKV_MAX_PARTS;
+    Py_ssize_t capacity = 0; /* parts in all layers, checked one by one below */
+    for (Py_ssize_t l = 0; l < nlayers; l++) {
+        Py_ssize_t size = PySequence_Size(PySequence_Fast_GET_ITEM(layer_seq, l));
+        if (size < 0) {
+            PyErr_Clear(); /* nkv_parts_seq below names the problem */
+            size = 0;
+        }
+        capacity += size < NKV_MAX_PARTS ? size : NKV_MAX_PARTS;
+    }
     spans = PyMem_Calloc((size_t)nlayers, sizeof(*spans));
-    views = PyMem_Calloc((size_t)capacity, sizeof(*views));
-    offsets = PyMem_Calloc((size_t)capacity, sizeof(*offsets));
-    reversed = PyMem_Calloc((size_t)capacity, sizeof(*reversed));
+    views = PyMem_Calloc((size_t)capacity + 1, sizeof(*views));
+    offsets = PyMem_Calloc((size_t)capacity + 1, sizeof(*offsets));
+    reversed = PyMem_Calloc((size_t)capacity + 1, sizeof(*reversed));
     if (spans == NULL || views == NULL || offsets == NULL || reversed == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -367,6 +375,12 @@ nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
         }
         spans[l].first = nviews;
         spans[l].nparts = PySequence_Fast_GET_SIZE(parts);
+        if (nviews + spans[l].nparts > capacity) { /* it grew since it was counted */
+            PyErr_SetString(PyExc_RuntimeError,
+                            "pread_layers_xxh3: a layer's parts changed during the call");
+            Py_DECREF(parts);
+            goto done;
+        }
         for (Py_ssize_t p = 0; p < spans[l].nparts; p++) {
             PyObject *buffer;
             Py_ssize_t i = nviews;

@@ -21,7 +21,7 @@ copy competing for the cores. A chunk read again is read buffered, which admits
 it to the page cache, so hot prefixes become warm hits while KV read once does
 not push other data out of memory (docs/design.md §12). Ranges the cache holds
 are always copied from it: a layer wholly in the cache is read and checksummed
-in one pass over memory (``native.pread_rows_xxh3``) on the verifier threads,
+in one pass over memory (``native.pread_layers_xxh3``) on the verifier threads,
 not through the engine (docs/design.md §13). Layers read buffered that the
 cache does not wholly hold, in segments larger than one engine request, are
 streamed the same way, by one thread in file order, with kernel readahead ahead
