@@ -235,94 +235,21 @@ nkv_pread_hash(int fd, const long long *offsets, const Py_buffer *views,
     return 0;
 }
 
-static PyObject *
-nkv_pread_rows_xxh3(PyObject *module, PyObject *args)
-{
-    int fd;
-    PyObject *parts;
-    Py_ssize_t nrows;
-    Py_buffer views[NKV_MAX_PARTS];
-    long long offsets[NKV_MAX_PARTS];
-    int reversed[NKV_MAX_PARTS];
-    Py_ssize_t got = 0;
-    PyObject *seq = NULL;
-    PyObject *out = NULL;
-    XXH3_state_t *states = NULL;
-    int err = 0;
-
-    (void)module;
-    if (!PyArg_ParseTuple(args, "iOn:pread_rows_xxh3", &fd, &parts, &nrows)) {
-        return NULL;
-    }
-    seq = nkv_parts_seq("pread_rows_xxh3", parts, nrows, "(offset, buffer) pairs");
-    if (seq == NULL) {
-        return NULL;
-    }
-    Py_ssize_t nparts = PySequence_Fast_GET_SIZE(seq);
-    for (; got < nparts; got++) {
-        PyObject *buffer;
-        reversed[got] = 0;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, got),
-                              "LO|p:pread_rows_xxh3 part", &offsets[got], &buffer,
-                              &reversed[got])) {
-            goto done;
-        }
-        if (PyObject_GetBuffer(buffer, &views[got], PyBUF_WRITABLE) < 0) {
-            goto done;
-        }
-        if (offsets[got] < 0 || views[got].len % nrows != 0) {
-            PyErr_Format(PyExc_ValueError,
-                         "pread_rows_xxh3: part %zd has offset %lld and %zd bytes, "
-                         "expected offset >= 0 and a multiple of %zd rows",
-                         got, offsets[got], views[got].len, nrows);
-            got++;
-            goto done;
-        }
-    }
-    /* XXH3_state_t wants 64-byte alignment, which PyMem does not promise. */
-    states = aligned_alloc(64, (size_t)nrows * sizeof(XXH3_state_t));
-    out = PyBytes_FromStringAndSize(NULL, nrows * 8);
-    if (states == NULL || out == NULL) {
-        Py_CLEAR(out);
-        if (states == NULL) {
-            PyErr_NoMemory();
-        }
-        goto done;
-    }
-    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
-    NKV_UNLOCKED(err = nkv_pread_hash(fd, offsets, views, reversed, nparts, nrows,
-                                      states, dst));
-    if (err != 0) {
-        Py_CLEAR(out);
-        nkv_err_set(err == EIO ? "pread_rows_xxh3 (short read or I/O error)"
-                               : "pread_rows_xxh3",
-                    err);
-    }
-done:
-    free(states);
-    for (Py_ssize_t i = 0; i < got; i++) {
-        PyBuffer_Release(&views[i]);
-    }
-    Py_DECREF(seq);
-    return out;
-}
-
 /* One layer's parts, parsed: pread_layers_xxh3 keeps one per layer. */
 typedef struct {
     Py_ssize_t nparts;
     Py_ssize_t first; /* index of its first part in the flat arrays */
 } nkv_layer_parts;
 
-/* pread_layers_xxh3(fd, layers, nrows): pread_rows_xxh3 of each layer's parts,
- * the digests of layer l at rows [l * nrows, (l + 1) * nrows). One call for a
- * verifier task's layers instead of one per layer: the GIL is taken back and
- * the arguments parsed once (docs/design.md §20). */
+/* Read each layer's parts from fd into their buffers, hashing as it goes;
+ * bytes of the digests, layer l's at rows [l * nrows, (l + 1) * nrows).
+ * Messages name `fn`. pread_layers_xxh3 is this; pread_rows_xxh3 is this for
+ * one layer. Several layers in one call take the GIL back and parse the
+ * arguments once: a verifier task's 4-8 layers made one call each before
+ * (docs/design.md §20). */
 static PyObject *
-nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
+nkv_pread_layers(const char *fn, int fd, PyObject *layers, Py_ssize_t nrows)
 {
-    int fd;
-    PyObject *layers;
-    Py_ssize_t nrows;
     PyObject *layer_seq = NULL;
     nkv_layer_parts *spans = NULL;
     Py_buffer *views = NULL;
@@ -333,10 +260,6 @@ nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
     XXH3_state_t *states = NULL;
     int err = 0;
 
-    (void)module;
-    if (!PyArg_ParseTuple(args, "iOn:pread_layers_xxh3", &fd, &layers, &nrows)) {
-        return NULL;
-    }
     layer_seq = PySequence_Fast(layers, "layers must be a sequence");
     if (layer_seq == NULL) {
         return NULL;
@@ -344,8 +267,7 @@ nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
     Py_ssize_t nlayers = PySequence_Fast_GET_SIZE(layer_seq);
     if (nlayers < 1 || nrows < 1) {
         PyErr_Format(PyExc_ValueError,
-                     "pread_layers_xxh3: found %zd layers and %zd rows, expected "
-                     ">= 1 of each",
+                     "%s: found %zd layers and %zd rows, expected >= 1 of each", fn,
                      nlayers, nrows);
         goto done;
     }
@@ -367,8 +289,7 @@ nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
         goto done;
     }
     for (Py_ssize_t l = 0; l < nlayers; l++) {
-        PyObject *parts = nkv_parts_seq("pread_layers_xxh3",
-                                        PySequence_Fast_GET_ITEM(layer_seq, l),
+        PyObject *parts = nkv_parts_seq(fn, PySequence_Fast_GET_ITEM(layer_seq, l),
                                         nrows, "(offset, buffer) pairs");
         if (parts == NULL) {
             goto done;
@@ -376,8 +297,8 @@ nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
         spans[l].first = nviews;
         spans[l].nparts = PySequence_Fast_GET_SIZE(parts);
         if (nviews + spans[l].nparts > capacity) { /* it grew since it was counted */
-            PyErr_SetString(PyExc_RuntimeError,
-                            "pread_layers_xxh3: a layer's parts changed during the call");
+            PyErr_Format(PyExc_RuntimeError, "%s: a layer's parts changed during the call",
+                         fn);
             Py_DECREF(parts);
             goto done;
         }
@@ -385,7 +306,7 @@ nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
             PyObject *buffer;
             Py_ssize_t i = nviews;
             if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(parts, p),
-                                  "LO|p:pread_layers_xxh3 part", &offsets[i], &buffer,
+                                  "LO|p:pread_*_xxh3 part", &offsets[i], &buffer,
                                   &reversed[i]) ||
                 PyObject_GetBuffer(buffer, &views[i], PyBUF_WRITABLE) < 0) {
                 Py_DECREF(parts);
@@ -394,10 +315,9 @@ nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
             nviews++;
             if (offsets[i] < 0 || views[i].len % nrows != 0) {
                 PyErr_Format(PyExc_ValueError,
-                             "pread_layers_xxh3: layer %zd part %zd has offset %lld "
-                             "and %zd bytes, expected offset >= 0 and a multiple of "
-                             "%zd rows",
-                             l, p, offsets[i], views[i].len, nrows);
+                             "%s: layer %zd part %zd has offset %lld and %zd bytes, "
+                             "expected offset >= 0 and a multiple of %zd rows",
+                             fn, l, p, offsets[i], views[i].len, nrows);
                 Py_DECREF(parts);
                 goto done;
             }
@@ -423,9 +343,10 @@ nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
     Py_END_ALLOW_THREADS
     if (err != 0) {
         Py_CLEAR(out);
-        nkv_err_set(err == EIO ? "pread_layers_xxh3 (short read or I/O error)"
-                               : "pread_layers_xxh3",
-                    err);
+        char what[96];
+        PyOS_snprintf(what, sizeof(what), "%s%s", fn,
+                      err == EIO ? " (short read or I/O error)" : "");
+        nkv_err_set(what, err);
     }
 done:
     free(states);
@@ -437,6 +358,38 @@ done:
     PyMem_Free(offsets);
     PyMem_Free(reversed);
     Py_DECREF(layer_seq);
+    return out;
+}
+
+static PyObject *
+nkv_pread_layers_xxh3(PyObject *module, PyObject *args)
+{
+    int fd;
+    PyObject *layers;
+    Py_ssize_t nrows;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "iOn:pread_layers_xxh3", &fd, &layers, &nrows)) {
+        return NULL;
+    }
+    return nkv_pread_layers("pread_layers_xxh3", fd, layers, nrows);
+}
+
+static PyObject *
+nkv_pread_rows_xxh3(PyObject *module, PyObject *args)
+{
+    int fd;
+    PyObject *parts;
+    Py_ssize_t nrows;
+    (void)module;
+    if (!PyArg_ParseTuple(args, "iOn:pread_rows_xxh3", &fd, &parts, &nrows)) {
+        return NULL;
+    }
+    PyObject *one_layer = PyTuple_Pack(1, parts);
+    if (one_layer == NULL) {
+        return NULL;
+    }
+    PyObject *out = nkv_pread_layers("pread_rows_xxh3", fd, one_layer, nrows);
+    Py_DECREF(one_layer);
     return out;
 }
 

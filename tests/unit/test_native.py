@@ -47,16 +47,24 @@ def test_sync_file_range(impl, tmp_path):
     assert info.value.errno == errno.EBADF
 
 
+def open_uncached(path, pages: int) -> int:
+    """An fd on a new file of ``pages`` random pages, none of them in the page
+    cache; skips the test where the filesystem keeps them (tmpfs)."""
+    page = os.sysconf("SC_PAGESIZE")
+    path.write_bytes(os.urandom(pages * page))
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    if native.page_residency(fd, 0, pages * page).any():
+        os.close(fd)
+        pytest.skip(f"{path.parent} keeps file pages resident (tmpfs?)")
+    return fd
+
+
 def test_page_residency(impl, tmp_path):
     page = os.sysconf("SC_PAGESIZE")
-    path = tmp_path / "f"
-    path.write_bytes(os.urandom(16 * page))
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_uncached(tmp_path / "f", 16)
     try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if native.page_residency(fd, 0, 16 * page).any():
-            pytest.skip(f"{tmp_path} keeps file pages resident (tmpfs?)")
         os.pread(fd, 2 * page, 4 * page)  # pages 4 and 5
         cached = native.page_residency(fd, 0, 16 * page)
         assert cached.dtype.name == "uint8"
@@ -180,14 +188,8 @@ def test_cached_pages_counts_what_page_residency_sees(
     """Random pages cached, random ranges (empty ones, ones past the end of
     the file): each count equals the resident pages page_residency reports."""
     page = os.sysconf("SC_PAGESIZE")
-    path = tmp_path_factory.mktemp("cached") / "f"
-    path.write_bytes(os.urandom(24 * page))
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_uncached(tmp_path_factory.mktemp("cached") / "f", 24)
     try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if native.page_residency(fd, 0, 24 * page).any():
-            pytest.skip(f"{path.parent} keeps file pages resident (tmpfs?)")
         for index, wanted in enumerate(cached):
             if wanted:
                 os.pread(fd, 1, index * page)
