@@ -356,7 +356,7 @@ class ChunkReader:
             fds = [fds[i] for i in kept]
         stream_task = (
             files.fd, header, rows, [layers[p] for p in streamed], dest, sums,
-            "streamed_read_bytes",
+            "streamed_read_bytes", True,
         )  # fmt: skip
         if streamed and owners:  # the engine reads the rest meanwhile
             checks.append(
@@ -473,17 +473,25 @@ class ChunkReader:
         dest: dict[str, DestRows],
         sums: np.ndarray,
         counter: str,
+        file_order: bool = False,
     ) -> set[int]:
-        """Read the layers buffered (from the page cache, or through it; in
-        the given order, file order when streaming) and verify them in the
-        same pass: one native call per run of rows for all the layers (each
-        256 KiB piece hashed while in cache; the checksums are compared only
-        when this reader verifies). Their bytes count in ``counter``; returns
-        the key indices that failed."""
+        """Read the layers buffered (from the page cache, or through it) and
+        verify them in the same pass: one native call per run of rows for all
+        the layers (each 256 KiB piece hashed while in cache; the checksums
+        are compared only when this reader verifies). Their bytes count in
+        ``counter``; returns the key indices that failed.
+
+        ``file_order`` (streaming, ``layer_indices`` in file order): the reads
+        never go back in the file, so the kernel's readahead stays ahead of
+        them. With several runs of rows that means layer by layer, each
+        layer's runs in row order (the file holds a layer's rows together)."""
         bad: set[int] = set()
-        if not layer_indices:
-            return bad
-        for first, row, count, step in rows.row_runs:
+        groups = [layer_indices] if layer_indices else []
+        if file_order and len(rows.row_runs) > 1:
+            groups = [[li] for li in layer_indices]
+        for group, (first, row, count, step) in (
+            (group, run) for group in groups for run in rows.row_runs
+        ):
             # keys of a run going down sit in memory in reverse file order
             low = first if step == 1 else first - count + 1
             layer_parts = [
@@ -495,7 +503,7 @@ class ChunkReader:
                     )
                     for entry in header.layers[li]
                 ]
-                for li in layer_indices
+                for li in group
             ]
             try:
                 found = native.pread_layers_xxh3(fd, layer_parts, count)
@@ -503,14 +511,14 @@ class ChunkReader:
                 self._counters.add(read_errors=1)
                 logger.warning(
                     "read of %s rows %d+%d layers %s failed: a miss",
-                    header.path, row, count, layer_indices, exc_info=True,
+                    header.path, row, count, group, exc_info=True,
                 )  # fmt: skip
                 bad.update(range(low, low + count))
                 continue
             moved = sum(part.nbytes for parts in layer_parts for _, part, _ in parts)
             self._counters.add(**{counter: moved})
             if self._verify:
-                for li, layer_found in zip(layer_indices, found, strict=True):
+                for li, layer_found in zip(group, found, strict=True):
                     self._compare(header, li, first, row, layer_found, sums, bad, step)
         return bad
 

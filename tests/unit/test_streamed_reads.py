@@ -245,3 +245,56 @@ def test_cached_layers_in_few_tasks_read_every_layer(tmp_path, monkeypatch, task
     expected = block_tensors(spec, keys)
     for name in out:
         np.testing.assert_array_equal(out[name][2:], expected[name][2:])
+
+
+def test_a_stream_of_several_runs_goes_through_the_file_layer_by_layer(
+    stored, monkeypatch
+):
+    """Two runs of rows (vLLM's two runs of block ids, one read_many): the
+    stream reads layer 0's runs, then layer 1's, never back to an earlier
+    layer, so readahead stays ahead of it. Cached reads, where order does not
+    matter, take all of a task's layers in one call per run instead."""
+    config, spec, keys = stored
+    monkeypatch.setattr(chunk_reader, "_STREAM_ABOVE_BYTES", 0)
+    (path,) = chunk_files(config.cache_dir)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        header = parse_header(fd, str(path))
+    finally:
+        os.close(fd)
+
+    def layer_of(offset: int) -> int:
+        (index,) = [
+            li
+            for li, entries in enumerate(header.layers)
+            if entries[0].begin <= offset < entries[-1].end
+        ]
+        return index
+
+    streamed: list[list[int]] = []
+    real = chunk_reader.native.pread_layers_xxh3
+
+    def spy(fd, layers, rows):
+        streamed.append([layer_of(parts[0][0]) for parts in layers])
+        return real(fd, layers, rows)
+
+    monkeypatch.setattr(chunk_reader.native, "pread_layers_xxh3", spy)
+    asked = [keys[:20], keys[20:]]
+    outs = [aligned_out(spec, len(k), misalign=64) for k in asked]
+    for cold in (True, False):
+        streamed.clear()
+        if cold:
+            evict_from_page_cache(config.cache_dir)
+        with KVStore(StoreConfig(**config.__dict__), spec) as store:
+            ok = store.read_many(list(zip(asked, outs, strict=True)))
+            if cold:
+                assert store.stats().counters["streamed_read_bytes"] > 0
+        assert ok == [[True] * 20, [True] * 44]
+        for wanted, out in zip(asked, outs, strict=True):
+            assert_rows_equal(out, block_tensors(spec, wanted), slice(None))
+        order = [li for call in streamed for li in call]
+        if cold:
+            assert order == [0, 0, 1, 1]  # per layer, its two runs
+        else:
+            assert sorted(order) == [0, 0, 1, 1]
+            assert len(streamed) <= 2 * chunk_reader._CACHED_TASKS_PER_CHUNK
