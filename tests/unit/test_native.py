@@ -16,6 +16,16 @@ from hypothesis import strategies as st
 from npukv_store import native
 
 
+def per_param_settings(examples: int) -> settings:
+    """Hypothesis settings for tests whose parametrized fixture picks an
+    implementation once per parameter, for all of that parameter's examples."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
+    )
+
+
 def test_extension_is_built_with_the_expected_abi():
     from npukv_store import _native
 
@@ -171,11 +181,7 @@ def residency_impl(request, monkeypatch):
         _native._use_cachestat(before)
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],  # set per param
-)
+@per_param_settings(40)
 @given(
     cached=st.lists(st.booleans(), min_size=24, max_size=24),
     ranges=st.lists(
@@ -246,11 +252,7 @@ def test_the_widest_kernel_is_picked_and_unknown_ones_refused():
     assert _native._hash_kernel() == kernels[0]
 
 
-@settings(
-    max_examples=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],  # set per param
-)
+@per_param_settings(30)
 @given(
     num_rows=st.integers(1, 5),
     part_row_bytes=st.lists(
@@ -294,11 +296,7 @@ def test_every_hash_kernel_matches_python_xxhash(
         np.testing.assert_array_equal(out, part)
 
 
-@settings(
-    max_examples=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],  # set per param
-)
+@per_param_settings(25)
 @given(
     num_layers=st.integers(1, 5),
     num_rows=st.integers(1, 4),
