@@ -5,7 +5,10 @@ Measured in one run, on the same random payload:
   raw       the disk's limit, written and read by this script through the I/O
             engines' raw mode (``engine.run`` of 4 MiB requests over one file):
             queue depth 1 and 16, buffered and O_DIRECT, thread-pool and io_uring
-            engines. Writes end with one fsync; reads are cold (page cache
+            engines; O_DIRECT writes also into a file sized first (ftruncate),
+            as the store writes its chunks (``*_direct_presized_write``: no
+            extending write, so ext4 runs them side by side). Writes end with
+            one fsync; reads are cold (page cache
             dropped) and warm. The best write and the best cold/warm read of
             queue depth 16 are the baselines.
   put_async sustained throughput from the staging ring to published chunks,
@@ -101,9 +104,17 @@ def engines() -> list[str]:
 
 
 def raw_pass(
-    kind: str, depth: int, direct: bool, op: int, path: Path, payload: np.ndarray
+    kind: str,
+    depth: int,
+    direct: bool,
+    op: int,
+    path: Path,
+    payload: np.ndarray,
+    presize: bool = False,
 ) -> float:
-    """Seconds to move ``payload`` through one file in PIECE requests."""
+    """Seconds to move ``payload`` through one file in PIECE requests
+    (``presize``: a write first sizes the file to the payload, inside the
+    timing)."""
     flags = os.O_RDONLY if op == READ else os.O_WRONLY | os.O_CREAT
     if direct:
         flags |= os.O_DIRECT
@@ -116,6 +127,8 @@ def raw_pass(
     engine = make_engine(kind, depth)
     try:
         start = time.perf_counter()
+        if presize:
+            os.ftruncate(fd, payload.nbytes)
         for done in engine.run(requests):
             if done.result != PIECE:
                 raise OSError(f"raw {kind} request at {done.tag}: {done.result}")
@@ -145,6 +158,12 @@ def bench_raw(root: Path, payload: np.ndarray, rounds: int) -> dict[str, float]:
                     if not direct:
                         seconds = raw_pass(kind, depth, direct, READ, path, payload)
                         _best(out, f"{name}_read_warm", payload.nbytes / seconds)
+                    else:
+                        path.unlink(missing_ok=True)
+                        seconds = raw_pass(
+                            kind, depth, True, WRITE, path, payload, presize=True
+                        )
+                        _best(out, f"{name}_presized_write", payload.nbytes / seconds)
     path.unlink(missing_ok=True)
     return out
 

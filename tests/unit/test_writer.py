@@ -248,3 +248,48 @@ def test_begin_save_on_a_full_ring_drops(tmp_path, spec):
         assert store.begin_save(keys) is None
         assert store.stats().counters["dropped_blocks"] == 40
         assert store.begin_save(keys[:2]) is not None  # keys were released
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_publish_image_sizes_the_file_before_the_first_write(tmp_path, direct):
+    """Every piece is written inside i_size, never past it: on ext4 an extending
+    O_DIRECT write is serialised (io_uring punts it), so unsized files wrote at
+    1.03 against 1.16 GB/s. The published file still has exactly the image's
+    bytes: the alignment padding is cut off."""
+    from npukv_store.io.direct import align_up, aligned_buffer
+    from npukv_store.io.engine import make_engine
+    from npukv_store.io.writer import WRITE_PIECE_BYTES
+    from npukv_store.store.chunk_writer import publish_image
+    from npukv_store.store.directory import CacheDir
+
+    cdir = CacheDir(str(tmp_path / "cache"))
+    cdir.open()
+    namespace = "ab" * 16
+    cdir.ensure_namespace(namespace, "{}")
+    size = WRITE_PIECE_BYTES * 3 + 12345
+    padded = aligned_buffer(align_up(size))
+    image = padded[:size]
+    image[:] = np.random.default_rng(3).integers(0, 255, size, dtype=np.uint8)
+    engine = make_engine("threads", 4)
+    sizes_seen: list[int] = []
+    real_submit = engine.submit
+
+    def recording_submit(requests):
+        for request in requests:
+            sizes_seen.append(os.fstat(request.fd).st_size)
+        real_submit(requests)
+
+    engine.submit = recording_submit  # type: ignore[method-assign]
+    try:
+        path, written = publish_image(
+            cdir, namespace, 7, image, engine, sync=True,
+            padded=padded if direct else None,
+        )  # fmt: skip
+    finally:
+        engine.close()
+    target = padded.nbytes if direct else size
+    assert sizes_seen
+    assert set(sizes_seen) == {target}
+    assert written == size
+    with open(path, "rb") as published:
+        assert published.read() == image.tobytes()
