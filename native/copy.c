@@ -26,18 +26,19 @@
  * there, no run's destination may overlap another run's source or destination.
  *
  * Threads: from NKV_GIL_MINSIZE bytes on the GIL is released; from
- * NKV_COPY_THREAD_MINSIZE on the bytes are cut into equal shares, one per
- * thread, splitting big runs, since one core's memmove does not use all of a
- * socket's memory bandwidth. Threads are created per call and joined before
+ * NKV_COPY_THREAD_MINSIZE on the threads share the bytes, 1 MiB granules
+ * taken in turn, splitting big runs, since one core's memmove does not use all
+ * of a socket's memory bandwidth. Threads are created per call and joined before
  * it returns; a persistent pool was rejected: it would not survive fork() and
  * would need a shutdown path, to save some tens of microseconds per 4 MiB. If
- * a thread cannot be created its share runs on the calling thread. The workers
- * see only C structs (no Python object, no GIL) and take no lock.
+ * a thread cannot be created the others take its granules. The workers
+ * see only C structs (no Python object, no GIL) and share one atomic counter.
  */
 #include "nkv.h"
 
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -46,13 +47,20 @@
 #define NKV_COPY_DEFAULT_THREADS 4
 #define NKV_COPY_COLUMNS 5
 
-/* One thread's share: `nbytes` bytes starting `skip` bytes into runs[first]. */
+/* Threads take the bytes GRANULE at a time from a shared counter: a thread
+ * the scheduler sets aside (a busy core, a VM's stolen time) holds up the call
+ * by one granule at most, where an equal share per thread held it up by the
+ * whole share (docs/design.md §21). */
+#define NKV_COPY_GRANULE_BYTES (1024 * 1024)
+
+/* The work of one parallel call, shared by its threads. */
 typedef struct {
     const nkv_run *runs;
-    Py_ssize_t first;
-    size_t skip;
-    size_t nbytes;
-} nkv_share;
+    const size_t *starts; /* starts[i]: offset of runs[i] in the call's bytes */
+    Py_ssize_t k;
+    size_t total;
+    size_t next; /* the next granule's first byte (atomic) */
+} nkv_copy_work;
 
 /* ------------------------------------------------------------------------ */
 /* Errors                                                                    */
@@ -249,75 +257,85 @@ nkv_copy_resolve(const Py_buffer *runs_view, const Py_buffer *srcs,
 /* Copying (no GIL from here to the method)                                  */
 /* ------------------------------------------------------------------------ */
 
+/* The run holding byte `offset` of the call: the last i with starts[i] <=
+ * offset (runs of 0 bytes start where the next run does, so never chosen). */
+static Py_ssize_t
+nkv_copy_find_run(const nkv_copy_work *work, size_t offset)
+{
+    Py_ssize_t lo = 0, hi = work->k - 1;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo + 1) / 2;
+        if (work->starts[mid] <= offset) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return lo;
+}
+
 static void *
-nkv_copy_share_run(void *arg)
+nkv_copy_worker(void *arg)
 {
-    const nkv_share *share = arg;
-    Py_ssize_t r = share->first;
-    size_t skip = share->skip;
-    size_t left = share->nbytes;
-    while (left > 0) {
-        const nkv_run *run = &share->runs[r++];
-        size_t n = run->nbytes - skip < left ? run->nbytes - skip : left;
-        if (n > 0) {
-            memmove(run->dst + skip, run->src + skip, n);
+    nkv_copy_work *work = arg;
+    for (;;) {
+        size_t begin =
+            __atomic_fetch_add(&work->next, NKV_COPY_GRANULE_BYTES, __ATOMIC_RELAXED);
+        if (begin >= work->total) {
+            return NULL;
         }
-        left -= n;
-        skip = 0;
-    }
-    return NULL;
-}
-
-/* Cut `total` bytes of runs[0..k) into `nthreads` equal shares. */
-static void
-nkv_copy_plan(const nkv_run *runs, size_t total, int nthreads, nkv_share *shares)
-{
-    Py_ssize_t r = 0;
-    size_t skip = 0;
-    for (int t = 0; t < nthreads; t++) {
-        size_t need = total / (size_t)nthreads + ((size_t)t < total % (size_t)nthreads);
-        shares[t] = (nkv_share){runs, r, skip, need};
-        while (need > 0) {
-            size_t avail = runs[r].nbytes - skip;
-            if (avail > need) {
-                skip += need;
-                need = 0;
-            } else {
-                need -= avail;
-                r++;
-                skip = 0;
+        size_t end = work->total - begin < NKV_COPY_GRANULE_BYTES
+                         ? work->total
+                         : begin + NKV_COPY_GRANULE_BYTES;
+        for (Py_ssize_t r = nkv_copy_find_run(work, begin); begin < end; r++) {
+            const nkv_run *run = &work->runs[r];
+            size_t skip = begin - work->starts[r];
+            size_t n = run->nbytes - skip < end - begin ? run->nbytes - skip
+                                                        : end - begin;
+            if (n > 0) {
+                memmove(run->dst + skip, run->src + skip, n);
             }
+            begin += n;
         }
     }
 }
 
-static void
-nkv_copy_parallel(const nkv_run *runs, size_t total, int nthreads)
+/* 0, or -1 when the offsets table cannot be allocated (the caller copies on
+ * its own thread). */
+static int
+nkv_copy_parallel(const nkv_run *runs, Py_ssize_t k, size_t total, int nthreads)
 {
-    nkv_share shares[NKV_COPY_MAX_THREADS];
     pthread_t tids[NKV_COPY_MAX_THREADS];
     int started[NKV_COPY_MAX_THREADS] = {0};
-
-    nkv_copy_plan(runs, total, nthreads, shares);
-    for (int t = 1; t < nthreads; t++) {
-        started[t] =
-            pthread_create(&tids[t], NULL, nkv_copy_share_run, &shares[t]) == 0;
+    size_t *starts = malloc((size_t)k * sizeof(size_t));
+    if (starts == NULL) {
+        return -1;
     }
-    nkv_copy_share_run(&shares[0]);
+    size_t offset = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        starts[i] = offset;
+        offset += runs[i].nbytes;
+    }
+    nkv_copy_work work = {runs, starts, k, total, 0};
+    for (int t = 1; t < nthreads; t++) {
+        /* no thread to be had: the others take its granules */
+        started[t] = pthread_create(&tids[t], NULL, nkv_copy_worker, &work) == 0;
+    }
+    nkv_copy_worker(&work);
     for (int t = 1; t < nthreads; t++) {
         if (started[t]) {
             pthread_join(tids[t], NULL);
-        } else {
-            nkv_copy_share_run(&shares[t]); /* no thread to be had: do it here */
         }
     }
+    free(starts);
+    return 0;
 }
 
 void
 nkv_copy_all(const nkv_run *runs, Py_ssize_t k, size_t total, int nthreads)
 {
-    if (nthreads > 1 && total >= NKV_COPY_THREAD_MINSIZE) {
-        nkv_copy_parallel(runs, total, nthreads);
+    if (nthreads > 1 && total >= NKV_COPY_THREAD_MINSIZE &&
+        nkv_copy_parallel(runs, k, total, nthreads) == 0) {
         return;
     }
     for (Py_ssize_t i = 0; i < k; i++) {

@@ -395,3 +395,43 @@ def test_random_runs_match_reference_loop(impl, case):
     )
     assert got == want
     verify_same(pool, [np.frombuffer(m, np.uint8) for m in model])
+
+
+GRANULE = MiB  # native/copy.c NKV_COPY_GRANULE_BYTES: threads take turns
+
+
+@st.composite
+def threaded_layouts(draw):
+    """Runs adding up past the thread threshold: zero-length runs, single bytes,
+    runs ending exactly on a granule boundary or one byte either side of it,
+    and runs longer than a granule; each lands at a fresh destination offset
+    after a random gap, so no two runs' destinations overlap."""
+    near = st.sampled_from([GRANULE - 1, GRANULE, GRANULE + 1, 3 * GRANULE + 7])
+    size = st.one_of(st.just(0), st.integers(1, 4096), st.integers(1, 600_000), near)
+    sizes = draw(st.lists(size, min_size=1, max_size=40))
+    while sum(sizes) < THREAD_MINSIZE:
+        sizes.append(draw(near))
+    gaps = draw(st.lists(st.integers(0, 64), min_size=len(sizes), max_size=len(sizes)))
+    threads = draw(st.integers(2, 5))
+    return sizes, gaps, threads, draw(st.integers(0, 2**32 - 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=threaded_layouts())
+def test_threaded_runs_match_reference_loop(case):
+    """The threaded path (granules taken in turn, a run found by its offset in
+    the call) copies exactly what the in-order loop copies, and nothing else."""
+    sizes, gaps, threads, seed = case
+    rng = np.random.default_rng(seed)
+    src = random_bytes(rng, 4 * GRANULE + 64)
+    rows, at = [], 0
+    for size, gap in zip(sizes, gaps, strict=True):
+        at += gap
+        rows.append((0, int(rng.integers(0, src.size - size + 1)), 0, at, size))
+        at += size
+    runs = to_runs(*rows)
+    dst = random_bytes(rng, at + 9)
+    want = dst.copy()
+    assert native.copy_runs([src], [dst], runs, threads=threads) == sum(sizes)
+    reference_copy([src], [want], runs)
+    verify_same([dst], [want])
