@@ -36,15 +36,16 @@ NKV_HASH_ROWS_NAME(const Py_buffer *views, Py_ssize_t nparts, Py_ssize_t nrows,
     }
 }
 
-/* Feed bytes [pos, end) of one part (rows of row_bytes, laid end to end at
- * `part`) into the running state of each row they belong to: pread_rows_xxh3
- * calls it on each piece just read, while the piece is still in cache. */
+/* Feed bytes [pos, end) of one part (rows of row_bytes, laid end to end),
+ * found at `data` (the part's byte pos), into the running state of each row
+ * they belong to: pread_rows_xxh3 calls it on each piece just read, while the
+ * piece is still in cache. */
 #ifdef NKV_HASH_ROWS_EXTERN
 void
 #else
 static void
 #endif
-NKV_HASH_RANGE_NAME(XXH3_state_t *states, const char *part, size_t row_bytes,
+NKV_HASH_RANGE_NAME(XXH3_state_t *states, const char *data, size_t row_bytes,
                     size_t pos, size_t end)
 {
     while (pos < end) {
@@ -53,7 +54,8 @@ NKV_HASH_RANGE_NAME(XXH3_state_t *states, const char *part, size_t row_bytes,
         if (take > end - pos) {
             take = end - pos;
         }
-        XXH3_64bits_update(&states[r], part + pos, take);
+        XXH3_64bits_update(&states[r], data, take);
+        data += take;
         pos += take;
     }
 }

@@ -358,3 +358,43 @@ def test_pread_layers_xxh3_errors(impl, tmp_path):
             native.pread_layers_xxh3(fd, [[(0, out)], [(3584, out)]], 2)
     finally:
         os.close(fd)
+
+
+STREAM_MIN_BYTES = 256 * 1024  # native/checksum.c NKV_STREAM_MIN_BYTES
+
+
+@per_param_settings(20)
+@given(
+    num_rows=st.integers(1, 6),
+    row_bytes=st.sampled_from(
+        [1, 4095, 43_691, STREAM_MIN_BYTES // 3 + 1, 100_003, STREAM_MIN_BYTES + 33]
+    ),
+    misalign=st.integers(0, 63),
+    reverse=st.booleans(),
+)
+def test_large_parts_stream_through_the_bounce_buffer_exactly(
+    hash_kernel, tmp_path_factory, num_rows, row_bytes, misalign, reverse
+):
+    """Parts from NKV_STREAM_MIN_BYTES on go through an L2 bounce buffer and a
+    non-temporal copy (kernels with a stream_copy), smaller ones straight into
+    place: either way every destination byte is the file's, the digests are
+    python-xxhash's, and the bytes either side of the destination (at any
+    alignment, so the copy's head and tail run) are left as they were."""
+    rng = np.random.default_rng(num_rows * 7919 + row_bytes + misalign)
+    data = rng.integers(0, 256, (num_rows, row_bytes), dtype=np.uint8)
+    path = tmp_path_factory.mktemp("stream") / "f"
+    path.write_bytes(b"\0" * 4096 + data.tobytes())
+    guard = 64
+    arena = rng.integers(0, 256, misalign + data.nbytes + guard, dtype=np.uint8)
+    before = arena.copy()
+    dest = arena[misalign : misalign + data.nbytes]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        found = native.pread_rows_xxh3(fd, [(4096, dest, reverse)], num_rows)
+    finally:
+        os.close(fd)
+    want_rows = data[::-1] if reverse else data
+    assert dest.tobytes() == want_rows.tobytes()
+    assert found.tolist() == [xxhash.xxh3_64(row.tobytes()).intdigest() for row in data]
+    np.testing.assert_array_equal(arena[:misalign], before[:misalign])
+    np.testing.assert_array_equal(arena[misalign + data.nbytes :], before[-guard:])
