@@ -6,6 +6,7 @@ from setuptools import Extension, setup
 
 SOURCES = ["module.c", "fileio.c", "checksum.c", "checksum_avx2.c", "copy.c", "uring.c"]
 SOURCES += ["ptrs.c", "device.c"]  # raw-address copies; CUDA/ACL calls (dlopen)
+SOURCES += ["stream_avx2.c"]  # non-temporal copies (x86-64 with AVX2 at run time)
 # The xxhash header (header-only with XXH_INLINE_ALL) gives the GIL-free
 # checksums. The system's (Debian: libxxhash-dev) is used where installed;
 # elsewhere the copy of xxHash 0.8.1 (BSD-2-Clause, its notice inside) in

@@ -35,14 +35,12 @@ typedef void (*nkv_hash_rows_fn)(const Py_buffer *, Py_ssize_t, Py_ssize_t,
                                  unsigned char *);
 typedef void (*nkv_hash_range_fn)(XXH3_state_t *, const char *, size_t, size_t,
                                   size_t);
-typedef void (*nkv_stream_copy_fn)(char *, const char *, size_t);
 
 #if defined(__x86_64__) && defined(__GNUC__)
 void nkv_hash_rows_avx2(const Py_buffer *views, Py_ssize_t nparts,
                         Py_ssize_t nrows, unsigned char *out);
 void nkv_hash_range_avx2(XXH3_state_t *states, const char *data, size_t row_bytes,
                          size_t pos, size_t end);
-void nkv_stream_copy_avx2(char *dst, const char *src, size_t n);
 #define NKV_HAVE_AVX2_KERNEL 1
 #endif
 
@@ -78,6 +76,12 @@ nkv_kernel_runs(const struct nkv_hash_kernel *kernel)
 #else
     return kernel->cpu_feature == NULL;
 #endif
+}
+
+nkv_stream_copy_fn
+nkv_stream_copy_kernel(void)
+{
+    return nkv_hash != NULL ? nkv_hash->stream_copy : NULL;
 }
 
 static void
@@ -507,6 +511,12 @@ nkv_checksum_exec(PyObject *module)
 }
 
 #else /* no xxhash header at build time: the Python twin serves */
+
+nkv_stream_copy_fn
+nkv_stream_copy_kernel(void)
+{
+    return NULL;
+}
 
 int
 nkv_checksum_exec(PyObject *module)

@@ -28,7 +28,9 @@
  * Threads: from NKV_GIL_MINSIZE bytes on the GIL is released; from
  * NKV_COPY_THREAD_MINSIZE on the threads share the bytes, 1 MiB granules
  * taken in turn, splitting big runs, since one core's memmove does not use all
- * of a socket's memory bandwidth. Threads are created per call and joined before
+ * of a socket's memory bandwidth; they copy with non-temporal stores where the
+ * CPU has them (stream_avx2.c): destinations that large leave the cache
+ * anyway, and streaming skips reading each line before writing it. Threads are created per call and joined before
  * it returns; a persistent pool was rejected: it would not survive fork() and
  * would need a shutdown path, to save some tens of microseconds per 4 MiB. If
  * a thread cannot be created the others take its granules. The workers
@@ -60,6 +62,7 @@ typedef struct {
     Py_ssize_t k;
     size_t total;
     size_t next; /* the next granule's first byte (atomic) */
+    nkv_stream_copy_fn stream; /* or NULL: memmove */
 } nkv_copy_work;
 
 /* ------------------------------------------------------------------------ */
@@ -292,7 +295,9 @@ nkv_copy_worker(void *arg)
             size_t skip = begin - work->starts[r];
             size_t n = run->nbytes - skip < end - begin ? run->nbytes - skip
                                                         : end - begin;
-            if (n > 0) {
+            if (n > 0 && work->stream != NULL) {
+                work->stream(run->dst + skip, run->src + skip, n);
+            } else if (n > 0) {
                 memmove(run->dst + skip, run->src + skip, n);
             }
             begin += n;
@@ -316,7 +321,7 @@ nkv_copy_parallel(const nkv_run *runs, Py_ssize_t k, size_t total, int nthreads)
         starts[i] = offset;
         offset += runs[i].nbytes;
     }
-    nkv_copy_work work = {runs, starts, k, total, 0};
+    nkv_copy_work work = {runs, starts, k, total, 0, nkv_stream_copy_kernel()};
     for (int t = 1; t < nthreads; t++) {
         /* no thread to be had: the others take its granules */
         started[t] = pthread_create(&tids[t], NULL, nkv_copy_worker, &work) == 0;

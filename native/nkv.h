@@ -41,6 +41,16 @@ void nkv_copy_all(const nkv_run *runs, Py_ssize_t k, size_t total, int nthreads)
 /* min(4, online CPUs): the threads of `threads=0`. */
 int nkv_copy_default_threads(void);
 
+/* memcpy with non-temporal stores; NULL where the CPU or build has none. The
+ * kernel in use is checksum.c's (its _hash_kernel picks both). Not for
+ * overlapping runs. */
+typedef void (*nkv_stream_copy_fn)(char *dst, const char *src, size_t n);
+nkv_stream_copy_fn nkv_stream_copy_kernel(void);
+#if defined(__x86_64__) && defined(__GNUC__)
+#define NKV_HAVE_STREAM_AVX2 1
+void nkv_stream_copy_avx2(char *dst, const char *src, size_t n); /* stream_avx2.c */
+#endif
+
 /* ptrs.c: runs given as three int64 arrays (src_ptrs, dst_ptrs, sizes), the
  * arguments of copy_ptrs and of device.c's batches. */
 typedef struct {

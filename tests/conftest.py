@@ -79,3 +79,20 @@ def store(config, spec):
     handle.close()
     assert problems == []
     assert_chunks_open_with_safetensors(config.cache_dir)  # raises on a bad file
+
+
+@pytest.fixture(params=["avx2", "baseline"])
+def hash_kernel(request):
+    """Every instruction-set kernel of native/checksum.c this CPU can run: the
+    xxh3 loops, and the streamed copies of pread_rows_xxh3 and copy_runs
+    (avx2; the baseline has none and copies in place with memmove)."""
+    from npukv_store import _native
+
+    if request.param not in _native._hash_kernels():
+        pytest.skip(f"this CPU cannot run the {request.param} kernel")
+    before = _native._hash_kernel()
+    _native._hash_kernel(request.param)
+    try:
+        yield request.param
+    finally:
+        _native._hash_kernel(before)

@@ -226,21 +226,6 @@ def test_cached_pages_bad_input(residency_impl, tmp_path):
         native.cached_pages(fd, np.array([[0, 4096]]))  # closed fd
 
 
-@pytest.fixture(params=["avx2", "baseline"])
-def hash_kernel(request):
-    """Every xxh3 kernel of native/checksum.c this CPU can run."""
-    from npukv_store import _native
-
-    if request.param not in _native._hash_kernels():
-        pytest.skip(f"this CPU cannot run the {request.param} kernel")
-    before = _native._hash_kernel()
-    _native._hash_kernel(request.param)
-    try:
-        yield request.param
-    finally:
-        _native._hash_kernel(before)
-
-
 def test_the_widest_kernel_is_picked_and_unknown_ones_refused():
     from npukv_store import _native
 
