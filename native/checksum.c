@@ -195,7 +195,8 @@ static int
 nkv_pread_into(int fd, char *dst, size_t total, long long file_off,
                XXH3_state_t *states, size_t row_bytes, char *bounce)
 {
-    if (total < NKV_STREAM_MIN_BYTES || nkv_hash->stream_copy == NULL) {
+    nkv_stream_copy_fn stream = nkv_hash->stream_copy; /* read once per part */
+    if (total < NKV_STREAM_MIN_BYTES || stream == NULL) {
         bounce = NULL;
     }
     size_t done = 0;
@@ -217,7 +218,7 @@ nkv_pread_into(int fd, char *dst, size_t total, long long file_off,
         }
         nkv_hash_range(states, into, row_bytes, done, done + (size_t)got);
         if (bounce != NULL) {
-            nkv_hash->stream_copy(dst + done, bounce, (size_t)got);
+            stream(dst + done, bounce, (size_t)got);
         }
         done += (size_t)got;
     }

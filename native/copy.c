@@ -30,11 +30,12 @@
  * taken in turn, splitting big runs, since one core's memmove does not use all
  * of a socket's memory bandwidth; they copy with non-temporal stores where the
  * CPU has them (stream_avx2.c): destinations that large leave the cache
- * anyway, and streaming skips reading each line before writing it. Threads are created per call and joined before
- * it returns; a persistent pool was rejected: it would not survive fork() and
- * would need a shutdown path, to save some tens of microseconds per 4 MiB. If
- * a thread cannot be created the others take its granules. The workers
- * see only C structs (no Python object, no GIL) and share one atomic counter.
+ * anyway, and streaming skips reading each line before writing it. Threads
+ * are created per call and joined before it returns; a persistent pool was
+ * rejected: it would not survive fork() and would need a shutdown path, to
+ * save some tens of microseconds per 4 MiB. If a thread cannot be created the
+ * others take its granules. The workers see only C structs (no Python object,
+ * no GIL) and share one atomic counter.
  */
 #include "nkv.h"
 
