@@ -354,8 +354,11 @@ nkv_pread_layers(const char *fn, int fd, PyObject *layers, Py_ssize_t nrows)
         Py_DECREF(parts);
     }
     states = aligned_alloc(64, (size_t)nrows * sizeof(XXH3_state_t));
-    if (nkv_hash->stream_copy != NULL) {
-        bounce = aligned_alloc(4096, NKV_PREAD_PIECE_BYTES);
+    for (Py_ssize_t i = 0; i < nviews && nkv_hash->stream_copy != NULL; i++) {
+        if (views[i].len >= NKV_STREAM_MIN_BYTES) { /* some part may stream */
+            bounce = aligned_alloc(4096, NKV_PREAD_PIECE_BYTES);
+            break;
+        }
     }
     out = PyBytes_FromStringAndSize(NULL, nlayers * nrows * 8);
     if (states == NULL || out == NULL) {
