@@ -62,6 +62,9 @@ class SaveBatch:
     chunk_id: int
     created_ns: int
     event: Event | None = None
+    #: who publishes it: one ring may carry the batches of several namespaces
+    #: (a hybrid model's KV cache groups); opaque to the writer
+    owner: object = None
 
     def ready(self) -> bool:
         """Whether the batch's bytes are complete (its event has fired)."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from npukv_store import native
+from npukv_store.config import StoreConfig
 from npukv_store.io.direct import align_up
 from npukv_store.io.engine import IOEngine, make_engine
 from npukv_store.io.ring import StagingRing
@@ -67,28 +68,31 @@ class StagedBatch:
 
 
 class AsyncSaver:
-    """The asynchronous save path of one store handle."""
+    """The asynchronous save path of one store handle and its siblings (other
+    namespaces of the same process, see :meth:`KVStore.sibling`): one ring and
+    one writer thread, each batch published by the handle that reserved it."""
 
-    def __init__(self, store: KVStore, ring_dir: str = "/dev/shm") -> None:
-        self._store = store
-        self.ring = StagingRing(store.config.ring_size, directory=ring_dir)
+    def __init__(self, config: StoreConfig, ring_dir: str = "/dev/shm") -> None:
+        self.ring = StagingRing(config.ring_size, directory=ring_dir)
         self._engine: IOEngine | None = None  # created and used by the writer thread
         self.writer = BackgroundWriter(self.ring, self._publish, self._discard)
 
     def stage(
         self,
+        store: KVStore,
         keys: Sequence[bytes],
         rows: dict[str, np.ndarray],
         fresh: list[int],
         event: Event | None,
     ) -> int:
-        """Stage the ``fresh`` rows; returns how many were queued (0: dropped)."""
+        """Stage the ``fresh`` rows of ``store``'s namespace; returns how many
+        were queued (0: dropped)."""
         if not fresh:
             return 0
-        staged = self.reserve(tuple(keys[i] for i in fresh))
+        staged = self.reserve(store, tuple(keys[i] for i in fresh))
         if staged is None:
             return 0  # ring full: drop the batch, never wait
-        spec = self._store.spec
+        spec = store.spec
         native.copy_runs(
             [rows[name] for name in spec.tensor_names()],
             [staged.image],
@@ -97,10 +101,12 @@ class AsyncSaver:
         self.submit(staged, event)
         return len(fresh)
 
-    def reserve(self, batch_keys: tuple[bytes, ...]) -> StagedBatch | None:
-        """A ring region laid out as the chunk of ``batch_keys`` with its header
-        written; the caller fills the data section. None when the ring is full."""
-        store = self._store
+    def reserve(
+        self, store: KVStore, batch_keys: tuple[bytes, ...]
+    ) -> StagedBatch | None:
+        """A ring region laid out as the chunk of ``batch_keys`` in ``store``'s
+        namespace, with its header written; the caller fills the data section.
+        None when the ring is full."""
         spec = store.spec
         created = time.time_ns()
         header = encode_header(
@@ -118,7 +124,14 @@ class AsyncSaver:
         image = self.ring.view(region)[:file_bytes]
         image[: len(header)] = np.frombuffer(header, dtype=np.uint8)
         return StagedBatch(
-            SaveBatch(region, image, batch_keys, secrets.randbits(63) + 1, created),
+            SaveBatch(
+                region,
+                image,
+                batch_keys,
+                secrets.randbits(63) + 1,
+                created,
+                owner=store,
+            ),  # fmt: skip
             len(header),
         )
 
@@ -133,7 +146,7 @@ class AsyncSaver:
 
     def _publish(self, batch: SaveBatch) -> None:
         """Writer thread: checksums into the image, write, publish, release keys."""
-        store = self._store
+        store = _owner(batch)
         try:
             if self._engine is None:
                 self._engine = make_engine(
@@ -163,11 +176,11 @@ class AsyncSaver:
 
     def _table_offset(self, batch: SaveBatch) -> int:
         """Offset of the checksum table: everything before it is final."""
-        return batch.image.size - 8 * len(batch.keys) * len(self._store.spec.layers)
+        return batch.image.size - 8 * len(batch.keys) * len(_owner(batch).spec.layers)
 
     def _fill_checksums(self, batch: SaveBatch) -> None:
         """Runs while the data section's first writes are at the disk."""
-        spec = self._store.spec
+        spec = _owner(batch).spec
         count = len(batch.keys)
         sums = np.empty((count, len(spec.layers)), dtype="<u8")
         offset = self._table_offset(batch) - count * spec.block_bytes
@@ -180,8 +193,9 @@ class AsyncSaver:
         batch.image[offset:] = sums.view(np.uint8).reshape(-1)
 
     def _discard(self, batch: SaveBatch) -> None:
-        self._store.counters.add(failed_batches=1)
-        self._store._release_claims(batch.keys)
+        store = _owner(batch)
+        store.counters.add(failed_batches=1)
+        store._release_claims(batch.keys)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return self.writer.flush(timeout_s)
@@ -192,6 +206,12 @@ class AsyncSaver:
         if self._engine is not None:
             self._engine.close()
         self.ring.close()
+
+
+def _owner(batch: SaveBatch) -> KVStore:
+    store = batch.owner
+    assert store is not None, "every batch is reserved for a store handle"
+    return store  # type: ignore[return-value]
 
 
 def _gather_runs(

@@ -86,13 +86,22 @@ class KVStore:
         FormatError: the directory marker or namespace.json is foreign.
     """
 
-    def __init__(self, config: StoreConfig, spec: NamespaceSpec) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        spec: NamespaceSpec,
+        *,
+        _parent: KVStore | None = None,
+    ) -> None:
         self.config = config
         self.spec = spec
         self.fingerprint = namespace_fingerprint(spec)
         self.namespace = self.fingerprint.hex()
         self.dir = CacheDir(config.cache_dir)
-        self.counters = StoreCounters()
+        self._parent = _parent
+        self.counters: StoreCounters = (
+            StoreCounters() if _parent is None else _parent.counters
+        )
         self._lock = threading.Lock()
         self._in_flight: set[bytes] = set()
         self._async: AsyncSaver | None = None  # ring + writer, on first put_async
@@ -127,6 +136,17 @@ class KVStore:
             self.touches.reset_after_fork()
             self._async = None  # the parent's ring and writer thread stay its own
             self._open()
+
+    def sibling(self, spec: NamespaceSpec) -> KVStore:
+        """A handle on another namespace of the same directory that shares this
+        handle's staging ring, writer thread and counters.
+
+        For a process whose KV spans several namespaces (a hybrid model's KV
+        cache groups): one ring per process, not one per namespace, so
+        ``ring_size`` stays the process's budget. Close siblings before or
+        after this handle, in any order.
+        """
+        return KVStore(self.config, spec, _parent=self)
 
     def keys_for(
         self, tokens: Sequence[int] | np.ndarray, extra: bytes = b""
@@ -274,7 +294,7 @@ class KVStore:
         rows = input_rows(self.spec, keys, tensors)
         fresh = self._claim(keys)
         try:
-            queued = self._saver().stage(keys, rows, fresh, event)
+            queued = self._saver().stage(self, keys, rows, fresh, event)
         except BaseException:  # e.g. the ring does not fit: keys must stay savable
             self._release_claims([keys[i] for i in fresh])
             raise
@@ -307,7 +327,7 @@ class KVStore:
         staged = None
         try:
             if fresh:
-                staged = self._saver().reserve(batch_keys)
+                staged = self._saver().reserve(self, batch_keys)
         finally:
             if staged is None:
                 self._release_claims(batch_keys)
@@ -361,7 +381,10 @@ class KVStore:
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything put_async'ed so far is published (visible to
-        other processes) or has failed. Returns False on timeout."""
+        other processes) or has failed. Returns False on timeout. A sibling
+        waits for its parent's ring, every namespace's batches."""
+        if self._parent is not None:
+            return self._parent.flush(timeout_s)
         return self._async is None or self._async.flush(timeout_s)
 
     def prepare_async(self) -> None:
@@ -377,9 +400,11 @@ class KVStore:
         self._saver()
 
     def _saver(self) -> AsyncSaver:
+        if self._parent is not None:
+            return self._parent._saver()
         with self._lock:
             if self._async is None:
-                self._async = AsyncSaver(self)
+                self._async = AsyncSaver(self.config)
             return self._async
 
     def _release_claims(self, keys: Sequence[bytes]) -> None:
@@ -387,6 +412,16 @@ class KVStore:
             self._in_flight.difference_update(keys)
 
     # -- lookup and read -------------------------------------------------------
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether it is stored (lookup() for keys that need not form
+        a prefix: a sliding-window group stores only the tails a hit needs)."""
+        self._check_fork()
+        found = [loc is not None for loc in self.index.locate(keys)]
+        hits = [key for key, hit in zip(keys, found, strict=True) if hit]
+        self.touches.note_keys(hits)
+        self.counters.add(lookups=1, hit_blocks=sum(found), lookup_blocks=len(keys))
+        return found
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` that are stored (a hit is not a promise:
@@ -544,6 +579,8 @@ class KVStore:
             return
         self._closed.set()
         if os.getpid() == self._pid:
+            if self._parent is not None:
+                self.flush()  # the shared writer publishes through our index
             if self._async is not None:
                 self._async.close()  # drains complete batches into the index
             self.touches.stop()  # after the drain: its commits may evict

@@ -15,7 +15,12 @@ from npukv_store import ConfigError, KVStore, NamespaceMismatch, StoreConfig
 from npukv_store.hashing import chain_hashes
 from npukv_store.store.directory import HOST
 from npukv_store.store.format import build_chunk
-from tests.conftest import block_tensors, empty_like_blocks, tiny_spec
+from tests.conftest import (
+    assert_chunks_open_with_safetensors,
+    block_tensors,
+    empty_like_blocks,
+    tiny_spec,
+)
 
 
 def put_prompt(store, tokens):
@@ -307,3 +312,40 @@ def test_a_failed_read_task_raises_only_after_the_others_finished():
         with pytest.raises(OSError, match="one chunk failed"):
             _all_results(futures)
         assert sorted(finished) == [1, 2]
+
+
+@pytest.mark.parametrize("parent_first", [True, False])
+def test_sibling_handles_share_one_ring_and_publish_each_namespace(
+    tmp_path, parent_first
+):
+    """A hybrid model's KV cache groups: one namespace each, one staging ring
+    for the process. Batches of both namespaces staged in the shared ring are
+    published by the handle that staged them; closing either handle first
+    loses nothing."""
+    config = StoreConfig(cache_dir=str(tmp_path / "cache"), ring_size="4MiB")
+    full, window = tiny_spec(model="hybrid"), tiny_spec(num_layers=2, model="hybrid")
+    parent = KVStore(config, full)
+    sibling = parent.sibling(window)
+    assert sibling.namespace != parent.namespace
+    assert sibling.ring_buffer() is parent.ring_buffer()
+    keys_a = parent.keys_for(list(range(64)))
+    keys_b = sibling.keys_for(list(range(64)))
+    assert set(keys_a).isdisjoint(keys_b)  # seeded by their namespaces
+    assert parent.put_async(keys_a, block_tensors(full, keys_a)).queued == 4
+    assert sibling.put_async(keys_b, block_tensors(window, keys_b)).queued == 4
+    first, second = (parent, sibling) if parent_first else (sibling, parent)
+    first.close()
+    second.close()
+    with KVStore(config, full) as again, KVStore(config, window) as other:
+        assert again.lookup(keys_a) == 4
+        assert other.lookup(keys_b) == 4
+        # one index for the directory: a handle sees every namespace's keys
+        assert other.present([keys_a[0], b"\x00" * 16, keys_b[3]]) == [
+            True, False, True,
+        ]  # fmt: skip
+        out = empty_like_blocks(window, 4)
+        assert other.read(keys_b, out) == [True] * 4
+        for name, rows in block_tensors(window, keys_b).items():
+            np.testing.assert_array_equal(out[name], rows)
+        assert again.check(verify_data=True) == []
+    assert assert_chunks_open_with_safetensors(config.cache_dir) == 2
