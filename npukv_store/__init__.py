@@ -17,6 +17,7 @@ from npukv_store.errors import (
     IOEngineError,
     NamespaceMismatch,
     NpuKVError,
+    UnsupportedSetup,
     VersionMismatch,
 )
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
@@ -41,6 +42,7 @@ __all__ = [
     "PutResult",
     "StoreConfig",
     "StoreStats",
+    "UnsupportedSetup",
     "VersionMismatch",
     "chain_hashes",
     "namespace_fingerprint",

@@ -151,6 +151,25 @@ class StoreConfig:
     save_decode: bool = field(
         default=False, metadata=_doc("Also save blocks generated during decode.")
     )
+    load_without_prefix_caching: bool = field(
+        default=False,
+        metadata=_doc(
+            "Load hits even where vLLM runs with prefix caching off. vLLM turns "
+            "it off where the attention backend cannot reuse context (e.g. MLA "
+            "on the CPU, whose prefill and decode paths disagree), and a load "
+            "would then change the output; only set this for a backend known "
+            "to compute a continued prefill exactly as a full one."
+        ),
+    )
+    sliding_save: str = field(
+        default="all",
+        metadata=_doc(
+            "Blocks of a sliding-window KV cache group that are saved: all "
+            "(any prefix of a stored prompt is a hit) or tails (only the window "
+            "before each prompt's end and before each shared-prefix junction: "
+            "fewer bytes, but a prefix shared at a new point misses once)."
+        ),
+    )
     namespace_extra: str = field(
         default="", metadata=_doc("String mixed into the namespace fingerprint.")
     )
@@ -181,7 +200,8 @@ class StoreConfig:
         self._check_choice("fsync", ("chunk", "never"))
         self._check_choice("verify", ("always", "never"))
         self._check_choice("layerwise", ("auto", "on", "off"))
-        for key in ("direct_io", "save_decode"):
+        self._check_choice("sliding_save", ("all", "tails"))
+        for key in ("direct_io", "save_decode", "load_without_prefix_caching"):
             object.__setattr__(self, key, _parse_bool(getattr(self, key), key))
         depth = _parse_number(self.prefetch_depth, "prefetch_depth", int)
         if depth < 1:

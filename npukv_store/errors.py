@@ -6,6 +6,7 @@ and for I/O failures. Every message names what was found and what was expected.
 
     NpuKVError
       ConfigError          a StoreConfig key or value is wrong
+      UnsupportedSetup     vLLM runs a setup the connector does not serve
       FormatError          a file on disk is not what the format says
         BadMagic           not an npukv file at all
         VersionMismatch    an npukv file of another format version
@@ -23,6 +24,13 @@ class NpuKVError(Exception):
 
 class ConfigError(NpuKVError, ValueError):
     """A configuration key is unknown or its value is out of range or garbled."""
+
+
+class UnsupportedSetup(NpuKVError):
+    """vLLM runs a setup the connector cannot serve correctly (pipeline
+    parallelism, a KV cache group with no block-wise hit, such as Mamba or
+    linear attention). The connector turns itself off with one error line
+    naming what it found; vLLM serves on without it."""
 
 
 class FormatError(NpuKVError):

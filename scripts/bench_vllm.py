@@ -122,7 +122,10 @@ def main() -> int:
     decode_prompts = [[rng.randrange(3, 2048) for _ in range(256)] for _ in range(4)]
     (work / "decode.json").write_text(json.dumps(decode_prompts))
     max_len = str(max(4096, prompt_tokens + 64))
-    common = ["--model", str(model), "--max-model-len", max_len]
+    # vLLM's prefix cache off, so every hit is ours (the floor run turns it
+    # on); the CPU attention backend continues a prefill exactly, so loads stay
+    # on (load_without_prefix_caching)
+    common = ["--model", str(model), "--max-model-len", max_len, "--no-prefix-caching"]
     ttft = [*common, "--prompts", str(work / "prompts.json"), "--max-tokens", "1"]
     decode = [
         *common, "--prompts", str(work / "decode.json"),
@@ -130,7 +133,10 @@ def main() -> int:
     ]  # fmt: skip
 
     def ours(cache: str, **extra: object) -> list[str]:
-        config = {"cache_dir": str(work / cache), "ring_size": "256MiB", **extra}
+        config = {
+            "cache_dir": str(work / cache), "ring_size": "256MiB",
+            "load_without_prefix_caching": True, **extra,
+        }  # fmt: skip
         return ["--connector", "npukv", "--extra", json.dumps(config)]
 
     example = [
@@ -306,7 +312,13 @@ def idle_step_us(steps: int = 5000) -> float:
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(8)]
     blocks, shape = 64, (8, 32, 128)  # heads, block tokens, K|V dims (fp32)
     page = 4 * shape[0] * shape[1] * shape[2]
-    spec = SimpleNamespace(page_size_bytes=page, block_size=32, dtype=torch.float32)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(
+        block_size=shape[1], num_kv_heads=shape[0], head_size=shape[2] // 2,
+        dtype=torch.float32,
+    )  # fmt: skip
+    assert spec.page_size_bytes == page
     kv_cache_config = SimpleNamespace(
         kv_cache_groups=[SimpleNamespace(layer_names=layers, kv_cache_spec=spec)],
         kv_cache_layout="LBHNC",
@@ -317,6 +329,7 @@ def idle_step_us(steps: int = 5000) -> float:
             pipeline_parallel_size=1, tensor_parallel_size=1
         ),
         model_config=SimpleNamespace(model="idle-bench", revision=None, use_mla=False),
+        cache_config=SimpleNamespace(enable_prefix_caching=True),
     )
     with tempfile.TemporaryDirectory() as tmp:
         settings = StoreConfig(cache_dir=tmp, ring_size="16MiB")
@@ -333,7 +346,7 @@ def idle_step_us(steps: int = 5000) -> float:
                 prompt_embeds=None,
             )  # fmt: skip
             scheduler.match(request, 0)
-            scheduler.allocated(request, [], 0)
+            scheduler.allocated(request, ([],), 0)
             scheduler._requests[request.request_id].saved_blocks = 8
             requests[request.request_id] = request
         output = SimpleNamespace(num_scheduled_tokens={r: 1 for r in requests})

@@ -19,6 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from npukv_store.config import StoreConfig
@@ -43,8 +45,14 @@ def _log_where_vllm_logs() -> None:
     ours.propagate = False
 
 
-class NPUKVStoreConnector(KVConnectorBase_V1):
-    """A crash-safe local NVMe KV tier shared by every process of a node."""
+class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """A crash-safe local NVMe KV tier shared by every process of a node.
+
+    SupportsHMA: vLLM keeps its hybrid KV cache manager on with this connector
+    (sliding-window layers keep only their window; hybrid models start). Each
+    KV cache group is a namespace of its own (see :mod:`.groups`); groups of a
+    kind the store cannot serve turn the connector off at start-up.
+    """
 
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
@@ -123,13 +131,22 @@ class NPUKVStoreConnector(KVConnectorBase_V1):
     def get_finished(
         self, finished_req_ids: set[str]
     ) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(
+        self, finished_req_ids: set[str]
+    ) -> KVConnectorTransferResults:
         if self._worker is None:
-            return None, None
+            return KVConnectorTransferResults()
         try:
-            return self._worker.finished_sending(), None
+            sending, recving, failed = self._worker.transfer_results()
         except Exception:
-            logger.exception("npukv_store: get_finished failed")
-            return self._worker.held_requests() or None, None
+            logger.exception("npukv_store: get_transfer_results failed")
+            sending, recving, failed = self._worker.held_requests(), set(), set()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -154,14 +171,15 @@ class NPUKVStoreConnector(KVConnectorBase_V1):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.match(request, num_computed_tokens), False
+        tokens = self._scheduler.match(request, num_computed_tokens)
+        return tokens, tokens > 0 and self._scheduler.load_async
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
         try:
-            (block_ids,) = blocks.get_block_ids()
+            block_ids = blocks.get_block_ids()
             self._scheduler.allocated(request, block_ids, num_external_tokens)
         except Exception:
             logger.exception("npukv_store: update_state_after_alloc failed")
@@ -190,6 +208,12 @@ class NPUKVStoreConnector(KVConnectorBase_V1):
         except Exception:
             logger.exception("npukv_store: request_finished failed")
             return False, None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """HMA's request_finished: the same, whatever the groups' blocks."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
 
 def _guard(fn: Any, hook: str, *args: Any) -> None:

@@ -29,12 +29,16 @@ def unpack_keys(blob: bytes) -> list[bytes]:
 
 @dataclass(slots=True)
 class BlockTransfer:
-    """Blocks of one request to load or save: ``block_ids[i]`` holds the block
-    keyed ``keys_by_rank[rank][i]``."""
+    """Blocks of one request and KV cache group to load or save:
+    ``block_ids[i]`` holds the block keyed ``keys_by_rank[rank][i]``."""
 
     req_id: str
     block_ids: list[int]
     keys_by_rank: list[bytes]  # per TP rank (one entry when rank-independent)
+    group: int = 0  # the KV cache group (its layers and namespace)
+    #: a load the workers report through finished/failed_recving, off the
+    #: forward (hybrid models), rather than before the step's forward
+    asynchronous: bool = False
 
     def keys(self, rank: int) -> list[bytes]:
         blob = self.keys_by_rank[rank if len(self.keys_by_rank) > 1 else 0]

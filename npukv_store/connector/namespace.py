@@ -1,10 +1,16 @@
-"""The store namespace of a vLLM engine: what makes its KV bytes compatible.
+"""The store namespaces of a vLLM engine: what makes its KV bytes compatible.
 
 Runs in: EngineCore (scheduler side) and every Worker. Both sides must derive
-the same fingerprint from the same configuration, so it uses only what the
-scheduler also knows: the model, the KV cache config (layer names, page size,
-layout), the platform, the vLLM minor version and the TP rank. The worker then
-checks that the tensors it was given really have those page sizes.
+the same fingerprints from the same configuration, so they use only what the
+scheduler also knows: the model, the KV cache config (groups, layer names, page
+sizes, layout), the platform, the vLLM minor version and the TP rank. The
+worker then checks that the tensors it was given really have those page sizes.
+
+One namespace per TP rank and KV cache group: a hybrid model's groups have
+their own block tables and, for sliding-window groups, their own set of stored
+blocks (see :mod:`.groups`), so their keys must never meet. The group's kind,
+window and position are in the fingerprint: two layouts that differ only by
+their group structure never share a block.
 
 Each layer is stored as one part ``page``: the block's bytes, all of the
 device runs of the layer concatenated (see :mod:`npukv_store.layout`).
@@ -13,57 +19,70 @@ device runs of the layer concatenated (see :mod:`npukv_store.layout`).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from npukv_store.config import StoreConfig
-from npukv_store.errors import ConfigError
+from npukv_store.connector.groups import KVGroup, classify
+from npukv_store.errors import UnsupportedSetup
 from npukv_store.spec import LayerSpec, NamespaceSpec, PartSpec
 
 PAGE_PART = "page"
 
 
+@dataclass(frozen=True, slots=True)
+class EngineKV:
+    """The KV cache groups of an engine and their namespaces."""
+
+    groups: tuple[KVGroup, ...]
+    #: ``specs[rank][group]``; a single rank when the KV is the same on every
+    #: rank (MLA's latent cache)
+    specs: tuple[tuple[NamespaceSpec, ...], ...]
+    block_size: int
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    def rank_specs(self, rank: int) -> tuple[NamespaceSpec, ...]:
+        return self.specs[rank if len(self.specs) > 1 else 0]
+
+
 def engine_namespaces(
     vllm_config: Any, kv_cache_config: Any, settings: StoreConfig
-) -> list[NamespaceSpec]:
-    """One NamespaceSpec per TP rank (one in all for MLA, which is the same on
-    every rank). Index ``r`` is rank ``r``'s namespace.
+) -> EngineKV:
+    """The engine's groups, with one NamespaceSpec per TP rank and group.
 
     Raises:
-        ConfigError: a setup this connector does not serve (pipeline
-            parallelism, several KV cache groups, no attention layers).
+        UnsupportedSetup: a setup this connector does not serve (pipeline
+            parallelism, a group kind without block-wise hits, groups of
+            different block sizes, no attention layers).
     """
-    import vllm
-    from vllm.platforms import current_platform
-
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
-        raise ConfigError(
+        raise UnsupportedSetup(
             f"pipeline_parallel_size: found {parallel.pipeline_parallel_size}, "
             "expected 1 (npukv_store serves single-stage engines)"
         )
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(
-            f"KV cache groups: found {len(groups)}, expected 1 (hybrid models "
-            "are not supported yet)"
+    raw_groups = list(kv_cache_config.kv_cache_groups)
+    if not raw_groups or not any(g.layer_names for g in raw_groups):
+        raise UnsupportedSetup("KV cache layers: found none, expected attention layers")
+    groups: list[KVGroup] = []
+    pages: list[dict[str, int]] = []
+    block_sizes: set[int] = set()
+    for index, raw in enumerate(raw_groups):
+        group, page_bytes = _describe_group(index, raw)
+        groups.append(group)
+        pages.append(page_bytes)
+        block_sizes.add(int(_first_spec(raw.kv_cache_spec).block_size))
+    if len(block_sizes) != 1:
+        raise UnsupportedSetup(
+            f"KV cache groups: found block sizes {sorted(block_sizes)}, expected "
+            "one block size for every group"
         )
-    group = groups[0]
-    kv_spec = group.kv_cache_spec
-    page_bytes = int(kv_spec.page_size_bytes)
-    layers = tuple(
-        LayerSpec(name, (PartSpec(PAGE_PART, "U8", (page_bytes,)),))
-        for name in group.layer_names
-    )
-    if not layers:
-        raise ConfigError("KV cache layers: found none, expected attention layers")
+    (block_size,) = block_sizes
+    base = _base_extra(vllm_config, kv_cache_config, settings)
     model = vllm_config.model_config
-    layout = kv_cache_config.kv_cache_layout or ""
-    vllm_minor = ".".join(vllm.__version__.split(".")[:2])
-    extra = (
-        f"platform={current_platform.device_type};layout={layout};"
-        f"spec={type(kv_spec).__name__};vllm={vllm_minor};"
-        f"user={settings.namespace_extra}"
-    )
     mla = bool(getattr(model, "use_mla", False))
     tp_size = int(parallel.tensor_parallel_size)
     # The same local checkpoint named by another path (./model, a symlink) is
@@ -71,17 +90,68 @@ def engine_namespaces(
     name = str(model.model)
     if os.path.isdir(name):
         name = os.path.realpath(name)
-    return [
-        NamespaceSpec(
-            model=name,
-            revision=str(model.revision or ""),
-            block_size=int(kv_spec.block_size),
-            kv_dtype=str(kv_spec.dtype).removeprefix("torch."),
-            layers=layers,
-            tp_rank=rank,
-            tp_size=tp_size,
-            rank_independent=mla,
-            extra=extra,
+    dtype = str(_first_spec(raw_groups[0].kv_cache_spec).dtype).removeprefix("torch.")
+    specs = tuple(
+        tuple(
+            NamespaceSpec(
+                model=name,
+                revision=str(model.revision or ""),
+                block_size=block_size,
+                kv_dtype=dtype,
+                layers=tuple(
+                    LayerSpec(layer, (PartSpec(PAGE_PART, "U8", (size,)),))
+                    for layer, size in page_bytes.items()
+                ),
+                tp_rank=rank,
+                tp_size=tp_size,
+                rank_independent=mla,
+                extra=(
+                    f"{base};groups={len(groups)};group={group.index};"
+                    f"kind={group.kind};tail={group.tail_tokens};"
+                    f"spec={type(raw.kv_cache_spec).__name__}"
+                ),
+            )
+            for group, page_bytes, raw in zip(groups, pages, raw_groups, strict=True)
         )
         for rank in range(1 if mla else tp_size)
-    ]
+    )
+    return EngineKV(tuple(groups), specs, block_size)
+
+
+def _first_spec(kv_spec: Any) -> Any:
+    """A group's spec, or the first layer's of a UniformTypeKVCacheSpecs (layers
+    of one kind whose page sizes differ)."""
+    per_layer = getattr(kv_spec, "kv_cache_specs", None)
+    return next(iter(per_layer.values())) if per_layer else kv_spec
+
+
+def _describe_group(index: int, raw: Any) -> tuple[KVGroup, dict[str, int]]:
+    kv_spec = raw.kv_cache_spec
+    names = tuple(raw.layer_names)
+    first = _first_spec(kv_spec)
+    kind = classify(type(first).__name__, index, names)
+    per_layer = getattr(kv_spec, "kv_cache_specs", None)
+    page_bytes = {
+        name: int((per_layer[name] if per_layer else kv_spec).page_size_bytes)
+        for name in names
+    }
+    tail = 0
+    if kind == "sliding":
+        tail = (
+            int(first.sliding_window)
+            - 1
+            + int(getattr(first, "extra_retained_tokens", 0))
+        )
+    return KVGroup(index, kind, names, tail), page_bytes
+
+
+def _base_extra(vllm_config: Any, kv_cache_config: Any, settings: StoreConfig) -> str:
+    import vllm
+    from vllm.platforms import current_platform
+
+    layout = kv_cache_config.kv_cache_layout or ""
+    vllm_minor = ".".join(vllm.__version__.split(".")[:2])
+    return (
+        f"platform={current_platform.device_type};layout={layout};"
+        f"vllm={vllm_minor};user={settings.namespace_extra}"
+    )

@@ -9,9 +9,13 @@ Runs in: the EngineCore process (one per engine), on the scheduler's thread.
     finished()      - hold the request's blocks until the workers report its
                       saves' copies done
 
-Keys are our own xxh3 chains (DESIGN.md §4), one chain per TP rank namespace;
-a block is a hit only when every rank's part is stored. Everything here is
-best effort: an exception is logged once and reads as "no hit" / "no save".
+Keys are our own xxh3 chains (npukv_store.hashing), one chain per namespace: per
+TP rank and KV cache group. A block is a hit only when every rank's part is
+stored; on a hybrid model a hit must also find, in every sliding-window group,
+the blocks its window needs (:mod:`.groups`). Hybrid models load
+asynchronously: vLLM can take back a failed load of several KV cache groups
+only per request (failed_recving), not per block. Everything here is best
+effort: an exception is logged once and reads as "no hit" / "no save".
 """
 
 from __future__ import annotations
@@ -21,24 +25,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from npukv_store.config import StoreConfig
+from npukv_store.connector.groups import blocks_to_save, hit_end
 from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata, pack_keys
-from npukv_store.connector.namespace import engine_namespaces
+from npukv_store.connector.namespace import EngineKV, engine_namespaces
 from npukv_store.connector.stats import NPUKVStats
+from npukv_store.errors import UnsupportedSetup
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
 from npukv_store.store.store import KVStore
 
 logger = logging.getLogger(__name__)
 
+Keys = list[list[list[bytes]]]  # [rank][group] -> one key per full block
+
 
 @dataclass(slots=True)
 class _RequestState:
     request: Any
-    keys: list[list[bytes]]  # per namespace (TP rank), one per full block hashed
+    keys: Keys
     next_mm_index: int = 0
     local_tokens: int = 0  # the block-aligned local hit passed to match()
-    stored_blocks: int = 0  # leading blocks the store has (as of match())
+    hit_blocks: int = 0  # end of the hit match() found (local + external)
+    stored_full: int = 0  # leading blocks every full-attention group stores
     saved_blocks: int = 0  # blocks [0, saved_blocks) are stored, loaded or queued
     saved_any: bool = False
+    counted: bool = False  # its lookup is in the stats
     extras: list[bytes] = field(default_factory=list)
 
 
@@ -49,42 +59,81 @@ class SchedulerSide:
         self, vllm_config: Any, kv_cache_config: Any, settings: StoreConfig
     ) -> None:
         self.settings = settings
-        self.specs = engine_namespaces(vllm_config, kv_cache_config, settings)
-        self.fingerprints = [namespace_fingerprint(spec) for spec in self.specs]
-        self.block_size = self.specs[0].block_size
-        # One handle suffices: the index is shared by every namespace, and keys
-        # of different namespaces never collide (they are seeded by it).
-        self.store = KVStore(settings, self.specs[0])
         self.stats = NPUKVStats()
         self.disabled_reason = ""
         self.kv_cache_manager: Any = None
         self._requests: dict[str, _RequestState] = {}
-        self._loads: dict[str, BlockTransfer] = {}
+        self._loads: dict[str, list[BlockTransfer]] = {}
         self._held: list[str] = []
         self._warned: set[str] = set()
+        self.store: KVStore | None = None
+        self.load_async = self.loads_on = self.hint_readahead = False
+        try:
+            self.engine: EngineKV | None = engine_namespaces(
+                vllm_config, kv_cache_config, settings
+            )
+        except UnsupportedSetup as exc:
+            self.engine = None
+            self.disable(str(exc), level=logging.ERROR)
+            return
+        self.fingerprints = [
+            [namespace_fingerprint(spec) for spec in rank] for rank in self.engine.specs
+        ]
+        self.block_size = self.engine.block_size
+        self.load_async = self.engine.hybrid
+        # One handle suffices: the index is shared by every namespace, and keys
+        # of different namespaces never collide (they are seeded by it).
+        self.store = KVStore(settings, self.engine.specs[0][0])
         self.hint_readahead = _workers_load_layerwise(vllm_config, settings)
+        self.loads_on = self._loads_allowed(vllm_config)
+
+    def _loads_allowed(self, vllm_config: Any) -> bool:
+        """vLLM turns prefix caching off where its attention backend cannot
+        continue a prefill from reused KV exactly (the CPU platform does it for
+        MLA: its prefill and decode paths disagree). A load would then change
+        the output, so none is made, unless the user says the backend can."""
+        if vllm_config.cache_config.enable_prefix_caching:
+            return True
+        if self.settings.load_without_prefix_caching:
+            logger.warning(
+                "npukv_store: loading although vLLM runs with prefix caching off "
+                "(load_without_prefix_caching: true)"
+            )
+            return True
+        logger.warning(
+            "npukv_store: loads are off, saves go on: vLLM runs this model with "
+            "prefix caching disabled (cache_config.enable_prefix_caching=False), "
+            "so its attention backend may not reuse KV exactly; set "
+            "load_without_prefix_caching: true to load anyway"
+        )
+        return False
 
     # -- keys -------------------------------------------------------------------
 
     def _state(self, request: Any) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None or state.request is not request:
-            state = _RequestState(request, [[] for _ in self.specs])
+            assert self.engine is not None
+            keys: Keys = [[[] for _ in rank] for rank in self.engine.specs]
+            state = _RequestState(request, keys)
             self._requests[request.request_id] = state
         return state
 
-    def _keys(self, state: _RequestState, num_blocks: int) -> list[list[bytes]]:
+    def _keys(self, state: _RequestState, num_blocks: int) -> Keys:
         """Each namespace's keys of the first ``num_blocks`` full blocks."""
-        have = len(state.keys[0])
+        have = len(state.keys[0][0])
         if num_blocks > have:
             bs = self.block_size
             request = state.request
             tokens = list(request.all_token_ids[have * bs : num_blocks * bs])
             extra = self._extras(state, have, num_blocks)
-            for chain, fingerprint in zip(state.keys, self.fingerprints, strict=True):
-                parent = chain[-1] if chain else None
-                chain += chain_hashes(tokens, bs, fingerprint, extra, parent=parent)
-        return [chain[:num_blocks] for chain in state.keys]
+            for rank_keys, rank_prints in zip(
+                state.keys, self.fingerprints, strict=True
+            ):
+                for chain, fingerprint in zip(rank_keys, rank_prints, strict=True):
+                    parent = chain[-1] if chain else None
+                    chain += chain_hashes(tokens, bs, fingerprint, extra, parent=parent)
+        return [[chain[:num_blocks] for chain in rank] for rank in state.keys]
 
     def _extras(self, state: _RequestState, start: int, stop: int) -> list[bytes]:
         """Per block: what besides the tokens changes its KV (LoRA, multimodal
@@ -108,14 +157,31 @@ class SchedulerSide:
             state.extras.append(b"" if extra is None else repr(extra).encode())
         return state.extras[start:stop]
 
-    def _lookup(self, keys: list[list[bytes]]) -> int:
-        """Leading blocks stored in every namespace."""
-        count = len(keys[0])
-        for chain in keys:
-            count = min(count, self.store.lookup(chain[:count]))
-            if count == 0:
-                break
-        return count
+    def _hit(self, state: _RequestState, local: int, max_blocks: int) -> int:
+        """End of the longest hit beyond ``local`` blocks: every full-attention
+        group (every rank) stores the prefix, every sliding-window group the
+        tail before its end."""
+        assert self.engine is not None
+        assert self.store is not None
+        keys = self._keys(state, max_blocks)
+        groups = self.engine.groups
+        upper = max_blocks
+        for rank_keys in keys:
+            for group, chain in zip(groups, rank_keys, strict=True):
+                if group.kind == "full" and upper > local:
+                    upper = min(upper, self.store.lookup(chain[:upper]))
+        state.stored_full = upper
+        sliding = [g for g in groups if g.kind == "sliding"]
+        if upper <= local or not sliding:
+            return upper
+        present = []
+        for group in sliding:
+            stored = [True] * (upper - local)
+            for rank_keys in keys:
+                found = self.store.present(rank_keys[group.index][local:upper])
+                stored = [a and b for a, b in zip(stored, found, strict=True)]
+            present.append((group, stored))
+        return hit_end(local, upper, self.block_size, present)
 
     # -- vLLM's scheduler hooks ---------------------------------------------------
 
@@ -126,69 +192,92 @@ class SchedulerSide:
             return 0
         try:
             state = self._state(request)
-            max_blocks = (request.num_tokens - 1) // self.block_size
             state.local_tokens = num_computed_tokens
-            if max_blocks * self.block_size <= num_computed_tokens:
+            state.hit_blocks = 0
+            if not self.loads_on:
                 return 0
-            stored = self._lookup(self._keys(state, max_blocks))
-            state.stored_blocks = stored
-            return max(0, stored * self.block_size - num_computed_tokens)
+            max_blocks = (request.num_tokens - 1) // self.block_size
+            local = num_computed_tokens // self.block_size
+            if max_blocks <= local:
+                return 0
+            state.hit_blocks = self._hit(state, local, max_blocks)
+            return max(0, state.hit_blocks * self.block_size - num_computed_tokens)
         except Exception:
             self._warn_once("match", "lookup failed; treating as a miss")
             return 0
 
-    def allocated(self, request: Any, block_ids: list[int], num_external: int) -> None:
-        """Record the load of ``num_external`` tokens into ``block_ids``."""
+    def allocated(
+        self, request: Any, block_ids: tuple[list[int], ...], num_external: int
+    ) -> None:
+        """Record the load of ``num_external`` tokens into ``block_ids`` (one
+        list per KV cache group)."""
         state = self._requests.get(request.request_id)
         if state is None:
             return
-        state.saved_blocks = max(state.saved_blocks, state.stored_blocks)
-        self.stats.add(lookup_tokens=request.num_prompt_tokens)
+        state.saved_blocks = max(state.saved_blocks, state.hit_blocks)
+        if not state.counted:
+            state.counted = True
+            self.stats.add(lookup_tokens=request.num_prompt_tokens)
         if num_external <= 0:
             return
+        assert self.engine is not None
+        assert self.store is not None
         bs = self.block_size
         start = state.local_tokens // bs
         stop = start + num_external // bs
-        keys = [chain[start:stop] for chain in self._keys(state, stop)]
-        self._loads[request.request_id] = BlockTransfer(
-            request.request_id,
-            list(block_ids[start:stop]),
-            [pack_keys(k) for k in keys],
-        )
+        keys = self._keys(state, stop)
+        loads = []
+        for group in self.engine.groups:
+            ids = block_ids[group.index]
+            rows = [i for i in range(start, stop) if ids[i] != 0]  # 0: null block
+            if rows:
+                loads.append(
+                    BlockTransfer(
+                        request.request_id,
+                        [ids[i] for i in rows],
+                        [pack_keys([rk[group.index][i] for i in rows]) for rk in keys],
+                        group=group.index,
+                        asynchronous=self.load_async,
+                    )
+                )
+        self._loads[request.request_id] = loads
         self.stats.add(hit_tokens=num_external)
         if not self.hint_readahead:
             return
         try:
-            for chain in keys:
-                self.store.readahead(chain)
+            for load in loads:
+                for rank in range(len(load.keys_by_rank)):
+                    self.store.readahead(load.keys(rank))
         except Exception:
             self._warn_once("readahead", "readahead hint failed")
 
     def build_meta(self, scheduler_output: Any) -> NPUKVMetadata:
         meta = NPUKVMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
-        meta.loads = [load for rid, load in self._loads.items() if rid in scheduled]
+        for rid, loads in self._loads.items():
+            # an asynchronous load runs in a step that does not schedule its
+            # request; a synchronous one only in the step that computes it
+            if rid in scheduled or (loads and loads[0].asynchronous):
+                meta.loads += loads
         self._loads.clear()
         if not self.disabled_reason:
             seen: set[bytes] = set()
             for req_id, num_tokens in scheduled.items():
-                save = self._step_save(req_id, num_tokens, seen)
-                if save is not None:
-                    meta.saves.append(save)
+                meta.saves += self._step_save(req_id, num_tokens, seen)
         meta.held_req_ids = self._held
         self._held = []
         return meta
 
     def _step_save(
         self, req_id: str, num_tokens: int, seen: set[bytes]
-    ) -> BlockTransfer | None:
+    ) -> list[BlockTransfer]:
         """The blocks of ``req_id`` that become full this step: prompt blocks,
         and with save_decode generated ones too. Saving them in the step that
         fills them, rather than when the request finishes, needs no step after
         the last one (an offline LLM stops stepping when its requests finish)."""
         state = self._requests.get(req_id)
         if state is None:
-            return None
+            return []
         request = state.request
         limit = request.num_prompt_tokens
         if self.settings.save_decode:  # tokens known now (async scheduling lags)
@@ -196,30 +285,51 @@ class SchedulerSide:
         computed_after = request.num_computed_tokens + num_tokens
         full = min(computed_after, limit) // self.block_size
         if full <= state.saved_blocks:
-            return None
+            return []
         try:
-            return self._transfer(state, state.saved_blocks, full, seen)
+            return self._transfers(state, state.saved_blocks, full, seen)
         except Exception:
             self._warn_once("save", "planning a save failed; skipping it")
-            return None
+            return []
         finally:
             state.saved_blocks = full
 
-    def _transfer(
+    def _transfers(
         self, state: _RequestState, start: int, stop: int, seen: set[bytes]
-    ) -> BlockTransfer | None:
-        (block_ids,) = self.kv_cache_manager.get_block_ids(state.request.request_id)
-        keys = [chain[start:stop] for chain in self._keys(state, stop)]
-        keep = [i for i, key in enumerate(keys[0]) if key not in seen]
-        if not keep:
-            return None
-        seen.update(keys[0][i] for i in keep)
-        state.saved_any = True
-        return BlockTransfer(
-            state.request.request_id,
-            [block_ids[start + i] for i in keep],
-            [pack_keys([chain[i] for i in keep]) for chain in keys],
-        )
+    ) -> list[BlockTransfer]:
+        """One save per KV cache group of blocks ``[start, stop)``."""
+        assert self.engine is not None
+        request = state.request
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        keys = self._keys(state, stop)
+        prompt = request.num_prompt_tokens
+        ends = {prompt // self.block_size, (prompt - 1) // self.block_size}
+        if state.stored_full > state.hit_blocks:
+            ends.add(state.stored_full)  # a junction: later hits stop here too
+        if self.settings.save_decode:
+            ends.update(range(prompt // self.block_size, stop + 1))
+        saves = []
+        for group in self.engine.groups:
+            ids = block_ids[group.index]
+            rows = blocks_to_save(
+                group, start, stop, self.block_size,
+                tails_only=self.settings.sliding_save == "tails", ends=ends,
+            )  # fmt: skip
+            first = keys[0][group.index]
+            rows = [i for i in rows if ids[i] != 0 and first[i] not in seen]
+            if not rows:
+                continue
+            seen.update(first[i] for i in rows)
+            saves.append(
+                BlockTransfer(
+                    request.request_id,
+                    [ids[i] for i in rows],
+                    [pack_keys([rk[group.index][i] for i in rows]) for rk in keys],
+                    group=group.index,
+                )
+            )
+        state.saved_any = state.saved_any or bool(saves)
+        return saves
 
     def finished(self, request: Any) -> bool:
         """True when the request's blocks must stay allocated until the
@@ -232,10 +342,13 @@ class SchedulerSide:
             self._held.append(request.request_id)
         return state.saved_any
 
-    def disable(self, reason: str) -> None:
+    def disable(self, reason: str, level: int = logging.WARNING) -> None:
         if not self.disabled_reason:
             self.disabled_reason = reason
-            logger.warning("npukv_store: stops matching and saving: %s", reason)
+            logger.log(
+                level, "npukv_store: the connector is off, vLLM serves without "
+                "it: %s", reason,
+            )  # fmt: skip
 
     def take_stats(self) -> NPUKVStats | None:
         stats = self.stats
@@ -250,15 +363,16 @@ class SchedulerSide:
             logger.warning("npukv_store: %s", message, exc_info=True)
 
     def close(self) -> None:
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
 
 
 def _workers_load_layerwise(vllm_config: Any, settings: StoreConfig) -> bool:
     """Whether the workers will load layer by layer (``layerwise: on``, or
-    ``auto`` on a device; ``auto`` stays bulk on the CPU). The readahead hint
-    (DESIGN.md §2) is issued only then. Before one bulk read it costs time:
-    a cold 62 MB chunk read streamed took 141 ms after the hint against 90 ms
-    without (docs/design.md §19)."""
+    ``auto`` on a device; ``auto`` stays bulk on the CPU). The lookup's
+    readahead hint for the chunks of a hit is issued only then. Before one
+    bulk read it costs time: a cold 62 MB chunk read streamed took 141 ms
+    after the hint against 90 ms without (docs/design.md §19)."""
     if settings.layerwise != "auto":
         return settings.layerwise == "on"
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")

@@ -1,15 +1,19 @@
 """The worker half of the connector: device copies between KV pages and the store.
 
 Runs in: every vLLM Worker process (one per TP rank). The hooks run on the
-forward thread; layer reads run on one loader thread; chunk writes on the
+forward thread; layer reads on the loader's threads; chunk writes on the
 store's writer thread.
 
-    register()     - describe each layer's byte runs, open the store, register
-                     the staging ring with the device
+    register()     - describe each layer's byte runs, open the store (one
+                     namespace per KV cache group, one staging ring), register
+                     the ring with the device
     save_layer()   - layerwise: this layer's blocks -> the ring (async D2H)
     finish_step()  - bulk saves, hand the batch to the writer, collect load errors
-    start_load()   - layerwise: start the loader; bulk: load every layer now
+    start_load()   - layerwise: start the loader; bulk: load every layer now;
+                     asynchronous loads (hybrid models): start them off the step
     wait_layer()   - the compute stream waits for this layer's H2D copy
+    transfer_results() - saves whose copies are done, asynchronous loads done
+                     and failed
 
 Modes (``layerwise``): ``on`` saves and loads in the layer hooks; ``off`` does
 everything in start_load_kv / wait_for_save; ``auto`` runs as ``off`` until it
@@ -18,21 +22,24 @@ accelerator; on the CPU it stays ``off``, see ``_learn_hooks``). If a
 layer's load hook is ever skipped while a load is pending, the blocks loaded in
 that step are reported as load errors (vLLM recomputes them) and the worker
 falls back to ``off``: attention may have read them before they arrived.
+Hooks for layers the store does not hold (vllm-ascend's ``save_kv_layer("",
+[])`` for linear attention) are ignored.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
 from npukv_store.config import StoreConfig
-from npukv_store.connector.loader import LayerLoader, LoadJob
+from npukv_store.connector.loader import LayerLoader, LoadJob, LoadLayer
 from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata
-from npukv_store.connector.namespace import engine_namespaces
+from npukv_store.connector.namespace import PAGE_PART, EngineKV, engine_namespaces
 from npukv_store.connector.stats import NPUKVStats
 from npukv_store.device.ordering import d2h_after, record_written
-from npukv_store.errors import ConfigError
+from npukv_store.errors import ConfigError, UnsupportedSetup
 from npukv_store.layout import LayerLayout, LayoutError, build_runs, describe_layer
 from npukv_store.store.format import MAX_CHUNK_BLOCKS
 from npukv_store.store.store import KVStore, StagedSave
@@ -40,6 +47,7 @@ from npukv_store.store.store import KVStore, StagedSave
 logger = logging.getLogger(__name__)
 
 _LOG_INTERVAL_S = 30.0
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 class WorkerSide:
@@ -50,35 +58,51 @@ class WorkerSide:
     ) -> None:
         self.settings = settings
         self.kv_cache_config = kv_cache_config
-        specs = engine_namespaces(vllm_config, kv_cache_config, settings)
-        self.rank = 0 if len(specs) == 1 else _tp_rank()
-        self.spec = specs[self.rank]
         self.layerwise = settings.layerwise == "on"
         self._observe_hooks = settings.layerwise == "auto"
         self.disabled_reason = ""
-        self.store: KVStore | None = None
+        self.stores: list[KVStore] = []
         self.backend: Any = None
-        self.layouts: list[LayerLayout] = []
+        self.layers: list[LoadLayer] = []
         self.layer_index: dict[str, int] = {}
+        self._layer_pos: list[int] = []  # position of each layer in its group
         self.stats = NPUKVStats()
         self.totals = NPUKVStats()
         self._last_log = time.monotonic()
         self._meta = NPUKVMetadata()
-        self._staged: list[tuple[StagedSave, list[int]]] = []
+        self._staged: list[tuple[StagedSave, list[int], int]] = []  # +ids, group
         self._filled: list[bool] = []
         self._save_planned = False
         self._save_started = 0.0
         self._last_save_event: Any = None
         self._load: LoadJob | None = None
+        self._async_jobs: list[LoadJob] = []
+        self._failed_recving: set[str] = set()
         self.loader: LayerLoader | None = None
         self._load_errors: set[int] = set()
         self._hooks_seen: set[str] = set()
         self._loads_seen: set[str] = set()
         self._warned: set[str] = set()
+        self.engine: EngineKV | None = None
+        try:
+            self.engine = engine_namespaces(vllm_config, kv_cache_config, settings)
+        except UnsupportedSetup as exc:
+            # the scheduler says so in the log; serving goes on without us
+            self.disabled_reason = str(exc)
+            return
+        self.rank = 0 if len(self.engine.specs) == 1 else _tp_rank()
+        self.specs = self.engine.rank_specs(self.rank)
+
+    @property
+    def store(self) -> KVStore | None:
+        """The first group's store handle (the one that owns the ring)."""
+        return self.stores[0] if self.stores else None
 
     # -- registration -------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, Any]) -> None:
+        if self.engine is None:
+            return
         try:
             self._register(kv_caches)
         except (ConfigError, LayoutError) as exc:
@@ -98,38 +122,33 @@ class WorkerSide:
 
             npu_format = torch_npu.get_npu_format
         num_blocks = int(self.kv_cache_config.num_blocks)
-        for index, layer in enumerate(self.spec.layers):
-            if layer.name not in kv_caches:
-                raise ConfigError(
-                    f"layer {layer.name!r}: in the KV cache config but not among the "
-                    f"{len(kv_caches)} registered KV caches"
-                )
-            layout = describe_layer(
-                layer.name, kv_caches[layer.name], num_blocks, npu_format=npu_format
-            )
-            if layout is None or layout.page_bytes != layer.row_bytes:
-                found = "nothing" if layout is None else f"{layout.page_bytes} bytes"
-                raise LayoutError(
-                    f"layer {layer.name!r}: block page of {found}, expected "
-                    f"{layer.row_bytes} bytes (the KV cache spec's page size)"
-                )
-            self.layouts.append(layout)
-            self.layer_index[layer.name] = index
-        self.store = KVStore(self.settings, self.spec)
-        self.store.prepare_async()
-        ring = self.store.ring_buffer()
+        placed = []
+        for group, spec in enumerate(self.specs):
+            for pos, layer in enumerate(spec.layers):
+                placed.append((layer.name, group, pos, layer.row_bytes))
+        placed.sort(key=lambda entry: _model_order(entry[0]))  # forward order
+        for name, group, pos, row_bytes in placed:
+            layout = _layout(name, kv_caches, num_blocks, row_bytes, npu_format)
+            self.layer_index[name] = len(self.layers)
+            self.layers.append(LoadLayer(f"{name}.{PAGE_PART}", layout, group))
+            self._layer_pos.append(pos)
+        first = KVStore(self.settings, self.specs[0])
+        self.stores = [first] + [first.sibling(spec) for spec in self.specs[1:]]
+        first.prepare_async()
+        ring = first.ring_buffer()
         self._ring_region = self.backend.register_host(ring.ctypes.data, ring.nbytes)
         self.xfer = self.backend.new_stream()
         self.loader = LayerLoader(
-            self.store, self.spec, self.layouts, self.backend, self.xfer,
+            self.stores, self.layers, self.backend, self.xfer,
             self.settings.prefetch_depth,
         )  # fmt: skip
         logger.info(
-            "npukv_store: worker rank %d ready: %d layers, %s, %d B per block, "
-            "namespace %s, layerwise=%s, ring registered=%s",
-            self.rank, len(self.layouts), self.layouts[0].kind,
-            self.spec.block_bytes, self.store.namespace[:12],
-            self.settings.layerwise, self._ring_region.registered,
+            "npukv_store: worker rank %d ready: %d layers in %d KV cache group(s), "
+            "%s, %d B per block, namespace %s, layerwise=%s, ring registered=%s",
+            self.rank, len(self.layers), len(self.specs),
+            self.layers[0].layout.kind, sum(s.block_bytes for s in self.specs),
+            first.namespace[:12], self.settings.layerwise,
+            self._ring_region.registered,
         )  # fmt: skip
 
     def disable(self, reason: str) -> None:
@@ -147,7 +166,7 @@ class WorkerSide:
         self._meta = meta
         self._save_planned = bool(meta.saves) and self.store is not None
         self._staged = []
-        self._filled = [False] * len(self.layouts)
+        self._filled = [False] * len(self.layers)
         self._hooks_seen.clear()
         self._loads_seen.clear()
 
@@ -169,33 +188,33 @@ class WorkerSide:
         """Claim this step's blocks and reserve their ring regions (once)."""
         if self._staged or not self._save_planned:
             return
-        assert self.store is not None
         self._save_started = time.perf_counter()
-        keys, block_ids = _concat(self._meta.saves, self.rank)
-        per_chunk = max(
-            1,
-            min(
-                MAX_CHUNK_BLOCKS,
-                self.settings.chunk_target_size // self.spec.block_bytes,
-            ),
-        )
-        for start in range(0, len(keys), per_chunk):
-            staged = self.store.begin_save(keys[start : start + per_chunk])
-            if staged is not None:
-                ids = [block_ids[start + i] for i in staged.indices]
-                self._staged.append((staged, ids))
+        for group, spec in enumerate(self.specs):
+            keys, block_ids = _concat(
+                [s for s in self._meta.saves if s.group == group], self.rank
+            )
+            target = self.settings.chunk_target_size // spec.block_bytes
+            per_chunk = max(1, min(MAX_CHUNK_BLOCKS, target))
+            for start in range(0, len(keys), per_chunk):
+                staged = self.stores[group].begin_save(keys[start : start + per_chunk])
+                if staged is not None:
+                    ids = [block_ids[start + i] for i in staged.indices]
+                    self._staged.append((staged, ids, group))
         if not self._staged:
             self._save_planned = False  # all stored, in flight or dropped
 
     def _copy_layer_out(self, index: int) -> None:
-        """D2H of layer ``index``'s blocks into every staged batch, ordered
-        after the compute stream's work so far (the layer's KV is written)."""
-        layout = self.layouts[index]
+        """D2H of layer ``index``'s blocks into every staged batch of its
+        group, ordered after the compute stream's work so far (the layer's KV
+        is written)."""
+        layer = self.layers[index]
         written = record_written(self.backend)
-        for staged, block_ids in self._staged:
+        for staged, block_ids, group in self._staged:
+            if group != layer.group:
+                continue
             src, dst, sizes = build_runs(
-                [layout], block_ids, range(len(block_ids)),
-                staged.layer_address(index), layout.page_bytes,
+                [layer.layout], block_ids, range(len(block_ids)),
+                staged.layer_address(self._layer_pos[index]), layer.layout.page_bytes,
             )  # fmt: skip
             with self.backend.stream_ctx(self.xfer):
                 d2h_after(self.backend, written, self.xfer, src, dst, sizes)
@@ -203,9 +222,8 @@ class WorkerSide:
 
     def _fail_save(self, what: str) -> None:
         self._warn_once(what, f"{what} failed; this step's blocks are not saved")
-        assert self.store is not None
-        for staged, _ in self._staged:
-            self.store.abort_save(staged)
+        for staged, _, group in self._staged:
+            self.stores[group].abort_save(staged)
         self._staged = []
         self._save_planned = False
 
@@ -232,18 +250,18 @@ class WorkerSide:
     def _commit_saves(self) -> None:
         if not self._staged:
             return
-        assert self.store is not None
         done = self.backend.new_event()
         done.record(self.xfer)
-        blocks = 0
-        for staged, _ in self._staged:
-            self.store.commit_save(staged, done)
+        blocks = nbytes = 0
+        for staged, _, group in self._staged:
+            self.stores[group].commit_save(staged, done)
             blocks += len(staged.keys)
+            nbytes += len(staged.keys) * self.specs[group].block_bytes
         self._staged = []
         self._last_save_event = done
         self.stats.add(
             saved_blocks=blocks,
-            saved_bytes=blocks * self.spec.block_bytes,
+            saved_bytes=nbytes,
             save_seconds=time.perf_counter() - self._save_started,
         )
 
@@ -286,26 +304,56 @@ class WorkerSide:
     # -- loads ----------------------------------------------------------------------
 
     def start_load(self) -> None:
-        loads = self._meta.loads
+        loads = [t for t in self._meta.loads if not t.asynchronous]
+        later = [t for t in self._meta.loads if t.asynchronous]
+        if later:
+            self._start_async(later)
         if not loads:
             return
-        keys, block_ids = _concat(loads, self.rank)
+        keys, block_ids = self._per_group(loads)
         if self.disabled_reason or self.loader is None:
-            self._load_errors.update(block_ids)
+            self._load_errors.update(b for ids in block_ids for b in ids)
             return
         try:
-            job = self.loader.new_job(keys, block_ids)
+            job = self.loader.new_job(keys, block_ids, gated=self.layerwise)
             if self.layerwise:
                 self.loader.submit(job)
                 self._load = job
                 return
             self.loader.run(job)
-            for index in range(len(self.layouts)):
+            for index in range(len(self.layers)):
                 self.loader.wait_layer(job, index)
             self._settle_load(job)
         except Exception:
             self._warn_once("load", "load failed; its blocks are recomputed")
-            self._load_errors.update(block_ids)
+            self._load_errors.update(b for ids in block_ids for b in ids)
+
+    def _start_async(self, loads: list[BlockTransfer]) -> None:
+        """Loads vLLM waits for off the forward (WAITING_FOR_REMOTE_KVS): read
+        on the loader thread, reported per request by transfer_results()."""
+        requests = {t.req_id for t in loads}
+        if self.disabled_reason or self.loader is None:
+            self._failed_recving.update(requests)
+            return
+        try:
+            keys, block_ids = self._per_group(loads)
+            job = self.loader.new_job(keys, block_ids, gated=False)
+            for t in loads:
+                job.requests.setdefault(t.req_id, set()).update(t.block_ids)
+            self.loader.submit(job, layer_by_layer=False)
+            self._async_jobs.append(job)
+        except Exception:
+            self._warn_once("load", "load failed; its blocks are recomputed")
+            self._failed_recving.update(requests)
+
+    def _per_group(
+        self, loads: list[BlockTransfer]
+    ) -> tuple[list[list[bytes]], list[list[int]]]:
+        pairs = [
+            _concat([t for t in loads if t.group == g], self.rank)
+            for g in range(len(self.specs))
+        ]
+        return [k for k, _ in pairs], [b for _, b in pairs]
 
     def wait_layer(self, layer_name: str) -> None:
         if self._observe_hooks:
@@ -322,30 +370,58 @@ class WorkerSide:
         self.loader.settle(job)
         if not all(job.waited):
             # attention ran on some layer before its blocks arrived
-            job.errors.update(job.block_ids)
+            job.errors.update(job.all_block_ids())
             self.layerwise = False
             logger.warning(
                 "npukv_store: a layer's load hook was skipped; falling back to "
                 "layerwise=off (this step's loaded blocks are recomputed)"
             )
-        good = len(job.block_ids) - len(set(job.block_ids) & job.errors)
+        self._load_errors.update(job.errors)
+        self._count_load(job)
+
+    def _count_load(self, job: LoadJob) -> None:
+        total = good = nbytes = 0
+        for group, ids in enumerate(job.block_ids):
+            ok = len(ids) - len(set(ids) & job.errors)
+            total += len(ids)
+            good += ok
+            nbytes += ok * self.specs[group].block_bytes
         if job.errors:
             logger.warning(
                 "npukv_store: %d of %d blocks failed to load (missing, evicted or "
                 "corrupt); vLLM recomputes them",
-                len(job.errors), len(job.block_ids),
+                total - good, total,
             )  # fmt: skip
-        self._load_errors.update(job.errors)
         self.stats.add(
             loaded_blocks=good,
-            loaded_bytes=good * self.spec.block_bytes,
+            loaded_bytes=nbytes,
             load_seconds=time.perf_counter() - job.started,
-            load_errors=len(job.errors),
+            load_errors=total - good,
         )
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving): requests
+        whose held blocks are free again, and asynchronous loads that are done
+        (a failed one is in both of the last two; vLLM recomputes it)."""
+        sending = self.finished_sending() or set()
+        failed, self._failed_recving = self._failed_recving, set()
+        recving = set(failed)
+        pending = []
+        for job in self._async_jobs:
+            if self.loader is None or not self.loader.complete(job):
+                pending.append(job)
+                continue
+            self._count_load(job)
+            for req_id, ids in job.requests.items():
+                recving.add(req_id)
+                if ids & job.errors:
+                    failed.add(req_id)
+        self._async_jobs = pending
+        return sending, recving, failed
 
     # -- stats and shutdown ---------------------------------------------------------
 
@@ -377,19 +453,50 @@ class WorkerSide:
     def close(self) -> None:
         if self.loader is not None:
             self.loader.close()
-        if self.store is not None:
+        if self.stores:
             self.fence()  # no device copy uses the ring or the slots any more
         region = getattr(self, "_ring_region", None)
         if region is not None:
             region.close()
-        if self.store is not None:
-            self.store.close()  # drains the writer, then unlinks the ring
-            self.store = None
+        for store in self.stores:
+            store.close()  # the first drains the writer, then unlinks the ring
+        self.stores = []
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:
             self._warned.add(what)
             logger.warning("npukv_store: %s", message, exc_info=True)
+
+
+def _layout(
+    name: str,
+    kv_caches: dict[str, Any],
+    num_blocks: int,
+    row_bytes: int,
+    npu_format: Any,
+) -> LayerLayout:
+    if name not in kv_caches:
+        raise ConfigError(
+            f"layer {name!r}: in the KV cache config but not among the "
+            f"{len(kv_caches)} registered KV caches"
+        )
+    layout = describe_layer(name, kv_caches[name], num_blocks, npu_format=npu_format)
+    if layout is None or layout.page_bytes != row_bytes:
+        found = "nothing" if layout is None else f"{layout.page_bytes} bytes"
+        raise LayoutError(
+            f"layer {name!r}: block page of {found}, expected "
+            f"{row_bytes} bytes (the KV cache spec's page size)"
+        )
+    return layout
+
+
+def _model_order(layer_name: str) -> int:
+    """Sort key: the layer's index in the model (the forward's order), the
+    first integer part of its name as in vLLM's extract_layer_index (not
+    imported: that module pulls in grpc and tvm_ffi); names without one go
+    last, in their order (the sort is stable)."""
+    match = _LAYER_INDEX.search(layer_name)
+    return int(match.group(1)) if match else 1 << 30
 
 
 def _concat(transfers: list[BlockTransfer], rank: int) -> tuple[list[bytes], list[int]]:

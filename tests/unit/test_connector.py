@@ -30,7 +30,18 @@ NUM_BLOCKS = 32
 PAGE = HEADS * BLOCK * 2 * HEAD_DIM * 4  # fused K|V, fp32
 
 
-def engine_config(*, tp: int = 1, mla: bool = False, extra: dict | None = None):
+def engine_config(
+    *,
+    tp: int = 1,
+    mla: bool = False,
+    extra: dict | None = None,
+    prefix_caching: bool = True,
+    groups: list | None = None,
+):
+    """vLLM's config objects as the connector reads them; ``groups``: the KV
+    cache groups (default: one full-attention group of LAYERS)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
     transfer = SimpleNamespace(
         kv_connector_extra_config=extra or {},
         kv_load_failure_policy="fail",
@@ -42,10 +53,15 @@ def engine_config(*, tp: int = 1, mla: bool = False, extra: dict | None = None):
         ),
         model_config=SimpleNamespace(model="tiny-llama", revision=None, use_mla=mla),
         kv_transfer_config=transfer,
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching),
     )
-    spec = SimpleNamespace(page_size_bytes=PAGE, block_size=BLOCK, dtype=torch.float32)
+    spec = FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    if groups is None:
+        groups = [SimpleNamespace(layer_names=LAYERS, kv_cache_spec=spec)]
     kv_cache_config = SimpleNamespace(
-        kv_cache_groups=[SimpleNamespace(layer_names=LAYERS, kv_cache_spec=spec)],
+        kv_cache_groups=groups,
         kv_cache_layout="LBHNC",
         num_blocks=NUM_BLOCKS,
     )
@@ -103,9 +119,9 @@ def test_tp_hit_needs_every_rank(tmp_path):
     request = make_request("r", tokens)
     assert side.match(request, 0) == 0
     keys = side._keys(side._state(request), 5)
-    put_blocks(cfg, side.specs[0], keys[0])  # rank 0's parts only
+    put_blocks(cfg, side.engine.specs[0][0], keys[0][0])  # rank 0's parts only
     assert side.match(request, 0) == 0
-    put_blocks(cfg, side.specs[1], keys[1][:3])  # rank 1 has the first 3
+    put_blocks(cfg, side.engine.specs[1][0], keys[1][0][:3])  # rank 1 has 3
     assert side.match(request, 0) == 3 * BLOCK
     assert side.match(request, BLOCK) == 2 * BLOCK  # beyond the local hit
     side.close()
@@ -113,8 +129,8 @@ def test_tp_hit_needs_every_rank(tmp_path):
 
 def test_mla_is_stored_once_for_all_ranks(tmp_path):
     side = SchedulerSide(*engine_config(tp=4, mla=True), settings(tmp_path))
-    assert len(side.specs) == 1
-    assert side.specs[0].rank_independent
+    assert len(side.engine.specs) == 1
+    assert side.engine.specs[0][0].rank_independent
     side.close()
 
 
@@ -123,8 +139,8 @@ def test_never_claims_the_last_token_and_salt_changes_keys(tmp_path):
     side = SchedulerSide(*engine_config(), cfg)
     tokens = list(range(4 * BLOCK))  # exactly 4 full blocks
     request = make_request("a", tokens)
-    (keys,) = side._keys(side._state(request), 4)
-    put_blocks(cfg, side.specs[0], keys)
+    ((keys,),) = side._keys(side._state(request), 4)
+    put_blocks(cfg, side.engine.specs[0][0], keys)
     assert side.match(request, 0) == 3 * BLOCK  # the last token is computed
     salted = make_request("b", tokens, salt="tenant-2")
     assert side.match(salted, 0) == 0
@@ -136,7 +152,7 @@ def test_plans_prompt_saves_once_and_holds_finished_requests(tmp_path):
     side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([7, 3, 9, 4],))
     request = make_request("r", list(range(3 * BLOCK + 5)))
     assert side.match(request, 0) == 0
-    side.allocated(request, [7, 3, 9, 4], 0)
+    side.allocated(request, ([7, 3, 9, 4],), 0)
     chunked = SimpleNamespace(num_scheduled_tokens={"r": 2 * BLOCK})
     meta = side.build_meta(chunked)  # chunked prefill: 2 blocks full this step
     assert [s.block_ids for s in meta.saves] == [[7, 3]]
@@ -170,12 +186,12 @@ def test_readahead_hint_only_where_workers_load_layerwise(
     vllm_config.device_config = SimpleNamespace(device_type=device)
     side = SchedulerSide(vllm_config, kv_cache_config, cfg)
     request = make_request("r", list(range(4 * BLOCK + 1)))
-    (keys,) = side._keys(side._state(request), 4)
-    put_blocks(cfg, side.specs[0], keys)
+    ((keys,),) = side._keys(side._state(request), 4)
+    put_blocks(cfg, side.engine.specs[0][0], keys)
     hints: list[list[bytes]] = []
     side.store.readahead = lambda chain: hints.append(list(chain)) or 1
     assert side.match(request, 0) == 4 * BLOCK
-    side.allocated(request, [5, 6, 7, 8, 9], 4 * BLOCK)
+    side.allocated(request, ([5, 6, 7, 8, 9],), 4 * BLOCK)
     assert hints == ([keys] if hinted else [])
     side.close()
 
@@ -225,11 +241,11 @@ def test_worker_saves_and_loads_blocks_bit_exact(
     before = {name: t.clone() for name, t in target.items()}
     loader = worker_for(tmp_path, target, layerwise=load_mode, prefetch_depth=1)
     assert loader.loader is not None
-    direct = loader.loader._direct_runs(loader.layouts[0], dst_ids)
+    direct = loader.loader._direct_runs(loader.layers[0].layout, dst_ids)
     assert (direct is not None) == (dst_ids[0] != 1)
     if dst_ids[0] == 24:  # runs up and down, and a lone block between them
         mixed = [20, 21, 22, 23, 40, 9, 8, 7, 6, 5, 30, 31, 32, 33, 34, 35]
-        assert loader.loader._direct_runs(loader.layouts[0], mixed) == [
+        assert loader.loader._direct_runs(loader.layers[0].layout, mixed) == [
             (0, 4, 1), (4, 1, 1), (5, 5, -1), (10, 6, 1),
         ]  # fmt: skip
     loader.bind(NPUKVMetadata(loads=[transfer(keys, dst_ids)]))
@@ -348,10 +364,13 @@ def test_namespace_names_a_local_model_by_its_real_path(tmp_path):
     for name in (str(real), str(tmp_path / "link"), str(tmp_path / "." / "ckpt")):
         vllm_config, kv_cache_config = engine_config()
         vllm_config.model_config.model = name
-        specs += engine_namespaces(vllm_config, kv_cache_config, settings(tmp_path))
+        engine = engine_namespaces(vllm_config, kv_cache_config, settings(tmp_path))
+        specs += engine.specs[0]
     assert len({spec.canonical_json() for spec in specs}) == 1
     vllm_config, kv_cache_config = engine_config()  # a hub name stays as given
-    (spec,) = engine_namespaces(vllm_config, kv_cache_config, settings(tmp_path))
+    ((spec,),) = engine_namespaces(
+        vllm_config, kv_cache_config, settings(tmp_path)
+    ).specs
     assert spec.model == "tiny-llama"
 
 
@@ -384,7 +403,7 @@ def test_save_decode_plans_generated_blocks_as_they_fill(tmp_path):
     side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([5, 6, 7],))
     request = make_request("r", list(range(2 * BLOCK - 1)))
     side.match(request, 0)
-    side.allocated(request, [5, 6], 0)
+    side.allocated(request, ([5, 6],), 0)
     meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 2 * BLOCK - 1}))
     assert [s.block_ids for s in meta.saves] == [[5]]  # block 1 lacks a token
     request.num_computed_tokens = 2 * BLOCK - 1
@@ -392,7 +411,7 @@ def test_save_decode_plans_generated_blocks_as_they_fill(tmp_path):
     request.num_tokens += 1
     meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 1}))
     assert [s.block_ids for s in meta.saves] == [[6]]
-    (keys,) = side._keys(side._state(request), 2)
+    ((keys,),) = side._keys(side._state(request), 2)
     assert meta.saves[0].keys(0) == keys[1:]
     request.num_computed_tokens += 1
     meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 1}))

@@ -1,0 +1,143 @@
+"""KV cache groups: which blocks of each group a hit needs and which a save keeps.
+
+Runs in: EngineCore and every Worker. Pure functions over block indices: no
+vLLM import, no I/O, so the rules are tested on their own.
+
+vLLM's hybrid KV cache manager (HMA) gives each group of layers its own block
+table. Two kinds of group are served:
+
+    full     a hit ending at block ``end`` needs every block before it
+    sliding  it needs only the blocks holding tokens
+             ``[end*bs - window + 1 - extra_retained, end*bs)``: vLLM gives the
+             request null blocks (id 0) below that and frees them as the window
+             moves (SlidingWindowManager.get_num_skipped_tokens)
+
+Any other kind (Mamba and linear attention, chunked local attention, cross
+attention, ...) has no block-wise hit that this store can serve; ``classify``
+refuses it by name.
+
+    classify()        - a group's kind from vLLM's KV cache spec class
+    KVGroup           - one group: kind, layers, the tokens a hit must hold
+    hit_end()         - the longest hit whose sliding tails are all stored
+    blocks_to_save()  - which blocks of a step's range a group keeps
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from npukv_store.errors import UnsupportedSetup
+
+GroupKind = Literal["full", "sliding"]
+
+#: vLLM KV cache spec classes by kind. By name, not isinstance: subclasses
+#: such as RSWASpec or HiddenStateCacheSpec free or reuse blocks in other ways
+#: and must be refused until someone checks them.
+_KINDS: dict[str, GroupKind] = {
+    "FullAttentionSpec": "full",
+    "MLAAttentionSpec": "full",
+    "SlidingWindowSpec": "sliding",
+    "SlidingWindowMLASpec": "sliding",
+}
+
+
+def classify(
+    spec_class: str, group_index: int, layer_names: Sequence[str]
+) -> GroupKind:
+    """The kind of a KV cache group whose spec is of class ``spec_class``.
+
+    Raises:
+        UnsupportedSetup: a kind without a block-wise hit (Mamba, linear
+            attention, ...), named with the group and one of its layers.
+    """
+    kind = _KINDS.get(spec_class)
+    if kind is None:
+        first = layer_names[0] if layer_names else "no layers"
+        raise UnsupportedSetup(
+            f"KV cache group {group_index} is {spec_class} ({len(layer_names)} "
+            f"layer(s), e.g. {first}); expected full or sliding-window attention. "
+            "A hit on such a group needs the layer's recurrent or chunk state at "
+            "the hit's end, which is not a run of KV blocks"
+        )
+    return kind
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One KV cache group of the engine, as the connector serves it."""
+
+    index: int
+    kind: GroupKind
+    layer_names: tuple[str, ...]
+    #: sliding: tokens before a hit's end that the next token still attends to
+    #: or vLLM still retains (window - 1 + extra_retained_tokens); 0 for full
+    tail_tokens: int = 0
+
+    def tail_start(self, end: int, block_size: int) -> int:
+        """First block a hit ending at block ``end`` needs in this group."""
+        if self.kind == "full":
+            return 0
+        return max(0, end * block_size - self.tail_tokens) // block_size
+
+
+def hit_end(
+    local: int,
+    upper: int,
+    block_size: int,
+    present: Sequence[tuple[KVGroup, Sequence[bool]]],
+) -> int:
+    """The largest ``end`` in ``(local, upper]`` such that every sliding group
+    stores the blocks ``[max(local, tail_start(end)), end)``; ``local`` when
+    there is none (no external hit).
+
+    Args:
+        local: blocks vLLM's own prefix cache already holds.
+        upper: the hit end the full-attention groups allow (their longest
+            stored prefix, capped below the last token).
+        present: per sliding group, whether each block of ``[local, upper)``
+            is stored (every TP rank's part).
+    """
+    if upper <= local:
+        return local
+    runs: list[tuple[KVGroup, list[int]]] = []
+    for group, stored in present:
+        assert len(stored) == upper - local
+        run = [0] * (upper - local + 1)  # run[i]: stored blocks ending at local+i
+        for i, here in enumerate(stored):
+            run[i + 1] = run[i] + 1 if here else 0
+        runs.append((group, run))
+    for end in range(upper, local, -1):
+        if all(
+            run[end - local] >= end - max(local, group.tail_start(end, block_size))
+            for group, run in runs
+        ):
+            return end
+    return local
+
+
+def blocks_to_save(
+    group: KVGroup,
+    start: int,
+    stop: int,
+    block_size: int,
+    *,
+    tails_only: bool,
+    ends: Iterable[int],
+) -> list[int]:
+    """The blocks of ``[start, stop)`` that ``group`` saves this step.
+
+    Full groups, and sliding groups unless ``tails_only``, save them all. With
+    ``tails_only`` a sliding group saves only the tails of the hit ends a later
+    request is known to land on (``ends``: the prompt's end, the junction where
+    its stored prefix stopped, each decode block's end): the bytes a hit needs,
+    and no more.
+    """
+    if group.kind == "full" or not tails_only:
+        return list(range(start, stop))
+    keep: set[int] = set()
+    for end in ends:
+        first = max(start, group.tail_start(end, block_size))
+        keep.update(range(first, min(stop, end)))
+    return sorted(keep)

@@ -1,0 +1,245 @@
+"""Hybrid models (vLLM's hybrid KV cache manager on): a sliding-window group
+and a full-attention group, each its own namespace, through both halves of
+the connector without an engine (the real-vLLM runs are tests/e2e)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm", reason="the connector needs vLLM (pip install .[vllm])")
+
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from npukv_store import KVStore  # noqa: E402
+from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata  # noqa: E402
+from npukv_store.connector.namespace import engine_namespaces  # noqa: E402
+from npukv_store.connector.scheduler import SchedulerSide  # noqa: E402
+from npukv_store.connector.worker import WorkerSide  # noqa: E402
+from npukv_store.hashing import namespace_fingerprint  # noqa: E402
+from tests.unit.test_connector import (  # noqa: E402
+    BLOCK,
+    HEAD_DIM,
+    HEADS,
+    NUM_BLOCKS,
+    PAGE,
+    engine_config,
+    make_request,
+    settings,
+)
+
+LAYERS4 = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+WINDOW = 2 * BLOCK  # a hit at block e needs blocks e-2, e-1 of the window group
+
+
+def _spec(window: int | None = None):
+    common = dict(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    if window is None:
+        return FullAttentionSpec(**common)
+    return SlidingWindowSpec(**common, sliding_window=window)
+
+
+def hybrid_config(**kw):
+    """Gemma-like: layers 0 and 2 slide, 1 and 3 attend to everything."""
+    groups = [
+        SimpleNamespace(layer_names=LAYERS4[0::2], kv_cache_spec=_spec(WINDOW)),
+        SimpleNamespace(layer_names=LAYERS4[1::2], kv_cache_spec=_spec()),
+    ]
+    return engine_config(groups=groups, **kw)
+
+
+def hybrid_caches(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        name: torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, generator=gen)
+        for name in LAYERS4
+    }
+
+
+def put(cfg, spec, keys):
+    with KVStore(cfg, spec) as store:
+        rows = {
+            f"{layer.name}.page": np.zeros((len(keys), PAGE), np.uint8)
+            for layer in spec.layers
+        }
+        store.put(keys, rows)
+
+
+# -- namespaces ------------------------------------------------------------------
+
+
+def test_group_structure_is_part_of_every_namespace(tmp_path):
+    """The same layers as one full group (HMA off), as two groups (HMA on),
+    or as one sliding group: no two namespaces are the same."""
+    cfg = settings(tmp_path)
+    layouts = {
+        "hma_off": engine_config(
+            groups=[SimpleNamespace(layer_names=LAYERS4, kv_cache_spec=_spec())]
+        ),
+        "hma_on": hybrid_config(),
+        "all_sliding": engine_config(
+            groups=[SimpleNamespace(layer_names=LAYERS4, kv_cache_spec=_spec(WINDOW))]
+        ),
+        "other_window": engine_config(
+            groups=[SimpleNamespace(layer_names=LAYERS4, kv_cache_spec=_spec(96))]
+        ),
+    }
+    prints = []
+    for vllm_config, kv_cache_config in layouts.values():
+        engine = engine_namespaces(vllm_config, kv_cache_config, cfg)
+        prints += [namespace_fingerprint(spec) for spec in engine.specs[0]]
+    assert len(prints) == 5
+    assert len(set(prints)) == 5
+    engine = engine_namespaces(*hybrid_config(), cfg)
+    assert [g.kind for g in engine.groups] == ["sliding", "full"]
+    assert engine.groups[0].tail_tokens == WINDOW - 1
+    assert engine.hybrid
+
+
+def test_mamba_group_turns_both_halves_off_with_one_message(tmp_path, caplog):
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
+    groups = [
+        SimpleNamespace(
+            layer_names=["model.layers.0.linear_attn"], kv_cache_spec=mamba
+        ),
+        SimpleNamespace(layer_names=LAYERS4[1:], kv_cache_spec=_spec()),
+    ]
+    vllm_config, kv_cache_config = engine_config(groups=groups)
+    side = SchedulerSide(vllm_config, kv_cache_config, settings(tmp_path))
+    assert "KV cache group 0 is MambaSpec" in side.disabled_reason
+    assert side.match(make_request("r", list(range(5 * BLOCK))), 0) == 0
+    assert side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 9})).saves == []
+    worker = WorkerSide(vllm_config, kv_cache_config, settings(tmp_path))
+    worker.register(hybrid_caches(0))
+    assert worker.disabled_reason == side.disabled_reason
+    errors = [r for r in caplog.records if r.name.startswith("npukv_store")]
+    assert len(errors) == 1  # the scheduler's line; the worker stays quiet
+    side.close()
+    worker.close()
+
+
+# -- scheduler --------------------------------------------------------------------
+
+
+def test_hit_needs_the_window_tail_and_loads_asynchronously(tmp_path):
+    cfg = settings(tmp_path)
+    side = SchedulerSide(*hybrid_config(), cfg)
+    assert side.load_async
+    request = make_request("r", list(range(6 * BLOCK + 3)))
+    keys = side._keys(side._state(request), 6)
+    sliding_spec, full_spec = side.engine.specs[0]
+    put(cfg, full_spec, keys[0][1][:5])  # the full group stores 5 blocks
+    put(cfg, sliding_spec, keys[0][0][4:5])  # the window group only block 4
+    assert side.match(request, 0) == 0  # a hit at 5 also needs block 3
+    put(cfg, sliding_spec, keys[0][0][1:3])
+    assert side.match(request, 0) == 3 * BLOCK  # at 3: blocks 1, 2 stored
+    assert side.match(request, 2 * BLOCK) == 1 * BLOCK  # beyond a local hit
+    put(cfg, sliding_spec, keys[0][0][3:4])
+    assert side.match(request, 0) == 5 * BLOCK
+    # vLLM allocates null blocks (0) below the window of the hit's end
+    sliding_ids, full_ids = [0, 0, 0, 31, 32, 33, 34], [11, 12, 13, 14, 15, 16, 17]
+    side.allocated(request, (sliding_ids, full_ids), 5 * BLOCK)
+    meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={}))
+    loads = {load.group: load for load in meta.loads}
+    assert all(load.asynchronous for load in meta.loads)  # unscheduled, still sent
+    assert loads[0].block_ids == [31, 32]
+    assert loads[0].keys(0) == keys[0][0][3:5]
+    assert loads[1].block_ids == [11, 12, 13, 14, 15]
+    side.close()
+
+
+@pytest.mark.parametrize("policy", ["all", "tails"])
+def test_saves_per_group_skip_null_blocks_and_keep_tails(tmp_path, policy):
+    side = SchedulerSide(*hybrid_config(), settings(tmp_path, sliding_save=policy))
+    request = make_request("r", list(range(6 * BLOCK + 5)))  # 6 full blocks
+    sliding_ids = [40, 41, 42, 43, 44, 45, 46]
+    full_ids = [50, 51, 52, 53, 54, 55, 56]
+    side.kv_cache_manager = SimpleNamespace(
+        get_block_ids=lambda rid: (sliding_ids, full_ids)
+    )
+    side.match(request, 0)
+    side.allocated(request, (sliding_ids, full_ids), 0)
+    sliding_ids[:2] = [0, 0]  # vLLM freed them before the step that saves
+    meta = side.build_meta(SimpleNamespace(num_scheduled_tokens={"r": 6 * BLOCK + 5}))
+    saves = {save.group: save for save in meta.saves}
+    assert saves[1].block_ids == full_ids[:6]
+    if policy == "all":
+        assert saves[0].block_ids == [42, 43, 44, 45]  # every non-null block
+    else:  # the tail a hit at the prompt's end (block 6) needs
+        assert saves[0].block_ids == [44, 45]
+    assert not any(save.asynchronous for save in meta.saves)
+    side.close()
+
+
+# -- worker ---------------------------------------------------------------------------
+
+
+def _transfer(group, keys, block_ids, *, asynchronous=False, req="r"):
+    return BlockTransfer(req, block_ids, [b"".join(keys)], group=group,
+                         asynchronous=asynchronous)  # fmt: skip
+
+
+def _results_until(worker, req_id, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, recving, failed = worker.transfer_results()
+        if req_id in recving:
+            return failed
+        time.sleep(0.01)
+    raise AssertionError(f"{req_id} never reported as received")
+
+
+def test_worker_saves_each_group_and_loads_them_asynchronously(tmp_path):
+    vllm_config, kv_cache_config = hybrid_config()
+    source = hybrid_caches(1)
+    saver = WorkerSide(vllm_config, kv_cache_config, settings(tmp_path))
+    saver.register(source)
+    assert len(saver.stores) == 2  # one namespace per group, one ring
+    slide_keys = [bytes([1, i]) * 8 for i in range(2)]
+    full_keys = [bytes([2, i]) * 8 for i in range(4)]
+    saver.bind(NPUKVMetadata(saves=[
+        _transfer(0, slide_keys, [7, 8]), _transfer(1, full_keys, [3, 4, 5, 6]),
+    ]))  # fmt: skip
+    saver.finish_step()
+    assert saver.store is not None
+    assert saver.store.flush(timeout_s=30)
+    counts = [store.stats().num_blocks for store in saver.stores]
+    assert counts == [6, 6]  # one shared index: both handles see every block
+    saver.close()
+
+    target = hybrid_caches(2)
+    loader = WorkerSide(vllm_config, kv_cache_config, settings(tmp_path))
+    loader.register(target)
+    loader.bind(NPUKVMetadata(loads=[
+        _transfer(0, slide_keys, [20, 21], asynchronous=True),
+        _transfer(1, full_keys, [22, 23, 24, 25], asynchronous=True),
+    ]))  # fmt: skip
+    loader.start_load()
+    loader.finish_step()
+    assert _results_until(loader, "r") == set()
+    for name in LAYERS4[0::2]:
+        torch.testing.assert_close(target[name][[20, 21]], source[name][[7, 8]])
+    for name in LAYERS4[1::2]:
+        torch.testing.assert_close(target[name][22:26], source[name][3:7])
+
+    missing = [b"\x77" * 16]
+    loader.bind(NPUKVMetadata(loads=[
+        _transfer(1, missing, [30], asynchronous=True, req="bad"),
+        _transfer(1, full_keys[:1], [29], asynchronous=True, req="good"),
+    ]))  # fmt: skip
+    loader.start_load()
+    loader.finish_step()
+    assert _results_until(loader, "bad") == {"bad"}
+    # never block ids: vLLM cannot map them back with several groups
+    assert loader.take_load_errors() == set()
+    loader.close()
