@@ -6,12 +6,23 @@ own process (as in production: a restart, a second instance), so callers run
 this script as a subprocess:
 
     python scripts/vllm_harness.py build-model DIR [--layers 4 --hidden 128 ...]
+    python scripts/vllm_harness.py build-model DIR --family gemma3  # tiny_models.py
     python scripts/vllm_harness.py run --model DIR --prompts FILE --out FILE \
         [--connector none|npukv|example] [--extra JSON] [--max-tokens N]
 
 ``run`` generates greedily for each prompt in order, one request at a time, and
-writes ``{"results": [{"tokens", "num_cached_tokens", "seconds"}...], ...}``.
-Nothing is downloaded: the model and its tokenizer are built locally.
+writes ``{"results": [{"tokens", "num_cached_tokens", "external_tokens",
+"seconds"}...], ...}``. ``external_tokens`` (the tokens our connector claimed
+for the prompt) needs VLLM_ENABLE_V1_MULTIPROCESSING=0: it is read from the
+scheduler-side connector in this process; None otherwise. vLLM's prefix cache
+is on, as in production (``--no-prefix-caching`` turns it off).
+
+Test-only hooks, in-process mode too: ``--record-kv FILE`` writes a digest of
+every KV block page the connector saves (by key and layer, taken when the
+step's saves are copied out) and of every page it loads (taken right after the
+load, before attention reads it: after start_load_kv in bulk mode, after each
+wait_for_layer_load layer by layer). Nothing is downloaded: the model and its
+tokenizer are built locally.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from typing import Any
 #: its full blocks too), and the default KV block size.
 WARMUP_TOKENS = 100
 BLOCK_SIZE = 32
+FACTS_FILE = "npukv_model.json"  # what build_family knows about the model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -77,6 +89,114 @@ def build_model(
     fast.save_pretrained(path)
 
 
+def build_family(path: str, family: str, seed: int) -> None:
+    """A tiny model of ``family`` (scripts/tiny_models.py) in ``path``, with
+    the facts a run needs (tokenizer, dtype, block size) in FACTS_FILE."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import tiny_models
+
+    facts = tiny_models.build(family, os.path.abspath(path), seed=seed)
+    with open(os.path.join(path, FACTS_FILE), "w") as f:
+        json.dump(facts, f)
+
+
+def model_facts(model: str) -> dict[str, Any]:
+    """What build_family recorded for ``model`` ({} for build_model's Llama)."""
+    try:
+        with open(os.path.join(model, FACTS_FILE)) as f:
+            facts: dict[str, Any] = json.load(f)
+    except FileNotFoundError:
+        return {}
+    return facts
+
+
+class KVRecorder:
+    """Digests of the KV pages the connector saves and loads, by key and layer
+    (``--record-kv``): a store run and a load run of the same prompts must
+    agree byte for byte. Wraps WorkerSide methods in this process."""
+
+    def __init__(self) -> None:
+        self.saved: dict[str, dict[str, str]] = {}
+        self.loaded: dict[str, dict[str, str]] = {}
+
+    def install(self) -> None:
+        from npukv_store.connector.worker import WorkerSide
+
+        recorder = self
+        register, finish = WorkerSide.register, WorkerSide.finish_step
+        start, wait = WorkerSide.start_load, WorkerSide.wait_layer
+
+        def register_(worker: Any, kv_caches: dict[str, Any]) -> None:
+            worker.recorded_caches = kv_caches
+            register(worker, kv_caches)
+
+        def finish_(worker: Any) -> None:  # saves are copied out here at the latest
+            recorder.note(worker, worker._meta.saves, recorder.saved, None)
+            finish(worker)
+
+        def start_(worker: Any) -> None:
+            start(worker)
+            if not worker.layerwise:  # bulk: every layer is in place now
+                recorder.note(worker, worker._meta.loads, recorder.loaded, None)
+
+        def wait_(worker: Any, layer_name: str) -> None:
+            wait(worker, layer_name)
+            if worker.layerwise and worker._meta.loads:
+                recorder.note(worker, worker._meta.loads, recorder.loaded, layer_name)
+
+        WorkerSide.register = register_  # type: ignore[method-assign]
+        WorkerSide.finish_step = finish_  # type: ignore[method-assign]
+        WorkerSide.start_load = start_  # type: ignore[method-assign]
+        WorkerSide.wait_layer = wait_  # type: ignore[method-assign]
+
+    @staticmethod
+    def note(
+        worker: Any, transfers: list[Any], into: dict[str, dict[str, str]],
+        only: str | None,
+    ) -> None:  # fmt: skip
+        import hashlib
+
+        caches = getattr(worker, "recorded_caches", None)
+        if caches is None or worker.engine is None:
+            return
+        for transfer in transfers:
+            names = worker.engine.groups[transfer.group].layer_names
+            keys = transfer.keys(worker.rank)
+            for name in names:
+                if only is not None and name != only:
+                    continue
+                pages = caches[name]
+                for key, block in zip(keys, transfer.block_ids, strict=True):
+                    page = pages[block].contiguous().view(-1).view(dtype=_u8())
+                    digest = hashlib.sha256(page.numpy().tobytes()).hexdigest()
+                    into.setdefault(key.hex(), {})[name] = digest
+
+    def report(self) -> dict[str, Any]:
+        return {"saved": self.saved, "loaded": self.loaded}
+
+
+def _u8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def count_external_tokens() -> list[int]:
+    """Tokens the connector claims per request, summed into the returned
+    list's last entry (the caller appends 0 before each prompt)."""
+    from npukv_store.connector.connector import NPUKVStoreConnector
+
+    counts = [0]
+    update = NPUKVStoreConnector.update_state_after_alloc
+
+    def update_(self: Any, request: Any, blocks: Any, num_external: int) -> None:
+        counts[-1] += num_external
+        update(self, request, blocks, num_external)
+
+    NPUKVStoreConnector.update_state_after_alloc = update_  # type: ignore[method-assign]
+    return counts
+
+
 def transfer_config(connector: str, extra: dict[str, Any]) -> Any:
     from vllm.config import KVTransferConfig
 
@@ -105,37 +225,63 @@ def suppress_layer_hooks() -> None:
     kv_transfer_utils.has_kv_transfer_group = lambda: False
 
 
+def pretend_accelerator() -> None:
+    """Make the CPU backend report kind "npu", so that ``layerwise: auto``
+    takes its accelerator branch (turns layerwise on once it has seen every
+    hook) while the copies still run on the CPU (in this process only)."""
+    from npukv_store.device.cpu import CpuBackend
+
+    CpuBackend.kind = "npu"  # type: ignore[assignment]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     if args.no_layer_hooks:
         suppress_layer_hooks()
+    if args.pretend_accelerator:
+        pretend_accelerator()
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+    external = count_external_tokens() if in_process else None
+    recorder = KVRecorder() if args.record_kv else None
+    if recorder is not None:
+        recorder.install()
     with open(args.prompts) as f:
         prompts: list[list[int]] = json.load(f)
     extra = json.loads(args.extra) if args.extra else {}
+    facts = model_facts(args.model)
     started = time.perf_counter()
+    options: dict[str, Any] = {}
+    if args.hma is not None:  # vLLM decides by default (on with our connector)
+        options["disable_hybrid_kv_cache_manager"] = args.hma == "off"
     llm = LLM(
-        model=args.model,
+        model=facts.get("model", args.model),
+        tokenizer=facts.get("tokenizer"),
         enforce_eager=True,
-        dtype=args.dtype,
-        block_size=args.block_size,
+        dtype=args.dtype or facts.get("dtype", "float32"),
+        block_size=args.block_size or facts.get("block_size", BLOCK_SIZE),
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_model_len,
         kv_transfer_config=transfer_config(args.connector, extra),
         enable_prefix_caching=args.prefix_caching,
         seed=0,
+        **options,
     )
     startup_s = time.perf_counter() - started
     # The first requests of a process pay one-off costs (kernel selection for
     # new shapes, engines, threads); a short unrelated prompt takes them first.
     warmup = [TokensPrompt(prompt_token_ids=[5 + i for i in range(WARMUP_TOKENS)])]
     llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    if args.drop_hooks_after_warmup:  # a platform that stops calling them
+        suppress_layer_hooks()
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True
     )
     results = []
     for tokens in [] if args.batch_only else prompts:
+        if external is not None:
+            external.append(0)
         ttft_s = None
         if args.ttft:  # time a prefill plus one token first
             begin = time.perf_counter()
@@ -153,11 +299,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             {
                 "tokens": list(output.outputs[0].token_ids),
                 "num_cached_tokens": output.num_cached_tokens or 0,
+                "external_tokens": None if external is None else external[-1],
                 "seconds": time.perf_counter() - begin,
                 "ttft_s": ttft_s,
             }
         )
-    report = {"startup_s": startup_s, "results": results}
+    report: dict[str, Any] = {"startup_s": startup_s, "results": results}
+    if recorder is not None:
+        with open(args.record_kv, "w") as f:
+            json.dump(recorder.report(), f)
     if args.concurrent_batch or args.batch_only:
         begin = time.perf_counter()
         outputs = llm.generate(
@@ -182,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--vocab", type=int, default=2048)
     build.add_argument("--max-positions", type=int, default=4096)
     build.add_argument("--seed", type=int, default=0)
+    build.add_argument(
+        "--family", default="", help="a tiny_models.py family instead of Llama"
+    )
     go = sub.add_parser("run")
     go.add_argument("--model", required=True)
     go.add_argument("--prompts", required=True, help="JSON list of token-id lists")
@@ -189,8 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--connector", choices=("none", "npukv", "example"), default="none")
     go.add_argument("--extra", default="", help="kv_connector_extra_config as JSON")
     go.add_argument("--max-tokens", type=int, default=8)
-    go.add_argument("--block-size", type=int, default=BLOCK_SIZE)
-    go.add_argument("--dtype", default="float32", help="model and KV dtype")
+    go.add_argument(
+        "--block-size", type=int, default=0, help="default: the model's, else 32"
+    )
+    go.add_argument(
+        "--dtype", default="", help="model and KV dtype (default: the model's)"
+    )
     go.add_argument("--max-model-len", type=int, default=1024)
     go.add_argument(
         "--ttft", action="store_true", help="time max_tokens=1 before each prompt"
@@ -202,14 +359,30 @@ def main(argv: list[str] | None = None) -> int:
         "--no-layer-hooks", action="store_true", help="suppress the layer hooks"
     )
     go.add_argument(
+        "--pretend-accelerator", action="store_true",
+        help="the CPU backend reports kind npu (layerwise auto's device branch)",
+    )  # fmt: skip
+    go.add_argument(
+        "--drop-hooks-after-warmup", action="store_true",
+        help="suppress the layer hooks after the warm-up prompt",
+    )  # fmt: skip
+    go.add_argument(
         "--concurrent-batch", action="store_true", help="also run all prompts at once"
     )
     go.add_argument(
         "--prefix-caching",
-        action="store_true",
-        help="turn vLLM's own prefix cache on (off by default, so hits are ours)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="vLLM's own prefix cache (on by default, as in production)",
     )
+    go.add_argument(
+        "--hma", choices=("on", "off"), help="force vLLM's hybrid KV cache manager"
+    )
+    go.add_argument("--record-kv", default="", help="write saved/loaded KV digests")
     args = parser.parse_args(argv)
+    if args.command == "build-model" and args.family:
+        build_family(args.path, args.family, args.seed)
+        return 0
     if args.command == "build-model":
         build_model(
             args.path, layers=args.layers, hidden=args.hidden, heads=args.heads,

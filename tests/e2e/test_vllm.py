@@ -1,18 +1,17 @@
 """End to end on real vLLM (CPU build): greedy tokens with the connector must
 equal a no-connector baseline, whatever the store holds.
 
-Every vLLM run is a separate process (scripts/vllm_harness.py) on a tiny
-random-weight Llama built locally; vLLM's own prefix cache is off, so every hit
-counted in ``num_cached_tokens`` came from our store. Most runs use
-VLLM_ENABLE_V1_MULTIPROCESSING=0 (about 20 s each); one uses vLLM's default
-multi-process mode, where the scheduler-side and worker-side connectors live in
-different processes, as users run it.
+Every vLLM run is a separate process (tests/e2e/runs.py) on a tiny
+random-weight Llama built locally. vLLM's prefix cache is on in the runs with
+the connector, as in production; each run's prompts share at most the blocks
+a test means to hit locally. Most runs use VLLM_ENABLE_V1_MULTIPROCESSING=0
+(about 20 s each); one uses vLLM's default multi-process mode, where the
+scheduler-side and worker-side connectors live in different processes, as
+users run it.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import shutil
 import subprocess
@@ -21,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import runs
+
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
 
-ROOT = Path(__file__).resolve().parents[2]
-HARNESS = str(ROOT / "scripts" / "vllm_harness.py")
 BLOCK = 32
 pytestmark = pytest.mark.e2e
 
@@ -51,62 +50,37 @@ def harness(
     *,
     cache_dir: Path | None = None,
     extra: dict[str, object] | None = None,
+    args: tuple[str, ...] = (),
     multiprocess: bool = False,
-    no_layer_hooks: bool = False,
     wait: bool = True,
     max_tokens: int = 8,
 ) -> subprocess.Popen[bytes] | dict[str, object]:
-    """Run one vLLM process over ``prompts``; returns its report (or the
-    process when ``wait`` is False). Its log is kept in ``work/<name>.log``."""
-    prompt_file = work / f"{name}.prompts.json"
-    prompt_file.write_text(json.dumps([PROMPTS[p] for p in prompts]))
-    cmd = [
-        sys.executable, HARNESS, "run", "--model", str(work / "model"),
-        "--prompts", str(prompt_file), "--out", str(work / f"{name}.json"),
-        "--max-tokens", str(max_tokens),
-    ]  # fmt: skip
-    if cache_dir is not None:
-        config = {
-            "cache_dir": str(cache_dir),
-            "capacity": "1GiB",
-            "ring_size": "64MiB",
-            **(extra or {}),
-        }
-        cmd += ["--connector", "npukv", "--extra", json.dumps(config)]
-    if no_layer_hooks:
-        cmd.append("--no-layer-hooks")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-    with open(work / f"{name}.log", "wb") as log:  # the child keeps its own fd
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    if not wait:
-        return proc
-    return _finish(work, name, proc)
+    """Run one vLLM process over the named prompts; returns its report (or
+    the process when ``wait`` is False)."""
+    proc = runs.start(
+        work, name, [PROMPTS[p] for p in prompts], model=work / "model",
+        cache_dir=cache_dir, extra=extra, args=args, multiprocess=multiprocess,
+        max_tokens=max_tokens,
+    )  # fmt: skip
+    return runs.finish(work, name, proc) if wait else proc
 
 
-def _finish(work: Path, name: str, proc: subprocess.Popen[bytes]) -> dict[str, object]:
-    rc = proc.wait(timeout=600)
-    log = (work / f"{name}.log").read_text(errors="replace")
-    assert rc == 0, f"vLLM run {name} failed (rc {rc}):\n{log[-6000:]}"
-    report: dict[str, object] = json.loads((work / f"{name}.json").read_text())
-    report["log"] = log
-    return report
+_finish = runs.finish
 
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("e2e")
-    subprocess.run(
-        [sys.executable, HARNESS, "build-model", str(path / "model")],
-        check=True,
-        capture_output=True,
-    )
+    runs.build_model(path / "model")
     return path
 
 
 @pytest.fixture(scope="module")
 def baseline(work: Path) -> dict[str, list[int]]:
-    report = harness(work, "baseline", ["p1", "p2", "p3"])
+    # no prefix cache: the reference computes every prompt from scratch
+    report = harness(
+        work, "baseline", ["p1", "p2", "p3"], args=("--no-prefix-caching",)
+    )
     results = report["results"]  # type: ignore[index]
     assert all(r["num_cached_tokens"] == 0 for r in results)
     return {p: r["tokens"] for p, r in zip(["p1", "p2", "p3"], results, strict=True)}
@@ -133,12 +107,14 @@ def _check_hits(report: dict[str, object], baseline: dict[str, list[int]],
 
 
 def test_store_then_load_in_another_process_bulk_mode(work, baseline, stored):
-    """Second process, layerwise off: full hits for p1/p3, a partial prefix hit
-    of 4 blocks for p2 (it shares 150 tokens with p1)."""
-    report = harness(work, "load_off", ["p1", "p2", "p3"], cache_dir=stored,
+    """Second process, layerwise off: a partial prefix hit of 4 blocks for p2
+    (it shares 150 tokens with p1), then p1, whose 4 first blocks are now in
+    vLLM's own prefix cache: the connector loads only the rest, and p3."""
+    report = harness(work, "load_off", ["p2", "p1", "p3"], cache_dir=stored,
                      extra={"layerwise": "off"})  # fmt: skip
-    hits = [_expected_hit(PROMPTS["p1"]), 4 * BLOCK, _expected_hit(PROMPTS["p3"])]
-    _check_hits(report, baseline, ["p1", "p2", "p3"], hits)
+    hits = [4 * BLOCK, _expected_hit(PROMPTS["p1"]), _expected_hit(PROMPTS["p3"])]
+    _check_hits(report, baseline, ["p2", "p1", "p3"], hits)
+    assert runs.external(report) == [4 * BLOCK, hits[1] - 4 * BLOCK, hits[2]]
 
 
 def test_load_layerwise_on(work, baseline, stored):
@@ -151,8 +127,10 @@ def test_load_layerwise_on(work, baseline, stored):
 def test_auto_mode_without_layer_hooks_is_correct(work, baseline, stored):
     """A platform whose attention never calls the layer hooks: auto must stay
     in bulk mode and still load correctly."""
-    report = harness(work, "auto_nohooks", ["p1", "p3"], cache_dir=stored,
-                     extra={"layerwise": "auto"}, no_layer_hooks=True)  # fmt: skip
+    report = harness(
+        work, "auto_nohooks", ["p1", "p3"], cache_dir=stored,
+        extra={"layerwise": "auto"}, args=("--no-layer-hooks",),
+    )  # fmt: skip
     hits = [_expected_hit(PROMPTS["p1"]), _expected_hit(PROMPTS["p3"])]
     _check_hits(report, baseline, ["p1", "p3"], hits)
     assert "layerwise on" not in report["log"]
@@ -162,9 +140,27 @@ def test_layerwise_on_without_hooks_recomputes(work, baseline, stored):
     """layerwise=on on such a platform must not serve half-loaded KV: the
     blocks are reported as load errors and recomputed."""
     report = harness(work, "on_nohooks", ["p1"], cache_dir=stored,
-                     extra={"layerwise": "on"}, no_layer_hooks=True)  # fmt: skip
+                     extra={"layerwise": "on"}, args=("--no-layer-hooks",))  # fmt: skip
     assert report["results"][0]["tokens"] == baseline["p1"]  # type: ignore[index]
     assert "load hook was skipped" in report["log"]
+
+
+def test_auto_on_an_accelerator_falls_back_when_hooks_stop(work, baseline, stored):
+    """auto's accelerator branch (the CPU backend pretends to be an NPU): the
+    warm-up's hooks turn layerwise on; then the platform stops calling them
+    mid-run, so the next load's layers are never waited on. Those blocks must
+    be reported and recomputed, and the worker must fall back to bulk loads,
+    which serve the prompt after it."""
+    report = harness(
+        work, "auto_drop", ["p1", "p3"], cache_dir=stored, extra={"layerwise": "auto"},
+        args=("--pretend-accelerator", "--drop-hooks-after-warmup"),
+    )  # fmt: skip
+    log = report["log"]
+    assert "layer hooks fire for every layer: layerwise on" in log
+    assert log.count("load hook was skipped") == 1
+    results = report["results"]  # type: ignore[index]
+    assert [r["tokens"] for r in results] == [baseline["p1"], baseline["p3"]]
+    assert results[1]["num_cached_tokens"] == _expected_hit(PROMPTS["p3"])
 
 
 def test_default_multiprocess_mode(work, baseline, stored):

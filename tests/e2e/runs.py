@@ -1,0 +1,96 @@
+"""Running real vLLM for the end-to-end tests: one process per run, through
+scripts/vllm_harness.py, its log kept next to its report.
+
+Most runs use VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine in the harness
+process, about 10-20 s a run), which also lets the harness count the tokens the
+connector claims per prompt (``external_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["WARMUP_TOKENS", "build_model", "finish", "run", "start"]
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS = str(ROOT / "scripts" / "vllm_harness.py")
+sys.path.insert(0, str(ROOT / "scripts"))
+# the unrelated prompt every run sends first: the same in every run, so a
+# connector run loads its blocks too
+from vllm_harness import WARMUP_TOKENS  # noqa: E402
+
+
+def build_model(path: Path, family: str = "") -> Path:
+    """A tiny random-weight model (``family`` from scripts/tiny_models.py, or
+    the harness's own Llama); returns ``path``."""
+    cmd = [sys.executable, HARNESS, "build-model", str(path)]
+    if family:
+        cmd += ["--family", family]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return path
+
+
+def start(
+    work: Path,
+    name: str,
+    prompts: list[list[int]],
+    *,
+    model: Path,
+    cache_dir: Path | None = None,
+    extra: dict[str, Any] | None = None,
+    args: tuple[str, ...] = (),
+    multiprocess: bool = False,
+    max_tokens: int = 8,
+) -> subprocess.Popen[bytes]:
+    """Start one vLLM process over ``prompts`` (greedy); see :func:`finish`."""
+    prompt_file = work / f"{name}.prompts.json"
+    prompt_file.write_text(json.dumps(prompts))
+    cmd = [
+        sys.executable, HARNESS, "run", "--model", str(model),
+        "--prompts", str(prompt_file), "--out", str(work / f"{name}.json"),
+        "--max-tokens", str(max_tokens), *args,
+    ]  # fmt: skip
+    if cache_dir is not None:
+        config = {
+            "cache_dir": str(cache_dir),
+            "capacity": "1GiB",
+            "ring_size": "64MiB",
+            **(extra or {}),
+        }
+        cmd += ["--connector", "npukv", "--extra", json.dumps(config)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    with open(work / f"{name}.log", "wb") as log:  # the child keeps its own fd
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def finish(work: Path, name: str, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """Wait for a run; its report, with its log under ``"log"``."""
+    rc = proc.wait(timeout=600)
+    log = (work / f"{name}.log").read_text(errors="replace")
+    assert rc == 0, f"vLLM run {name} failed (rc {rc}):\n{log[-6000:]}"
+    report: dict[str, Any] = json.loads((work / f"{name}.json").read_text())
+    report["log"] = log
+    return report
+
+
+def run(work: Path, name: str, prompts: list[list[int]], **kw: Any) -> dict[str, Any]:
+    """:func:`start` and :func:`finish` one run."""
+    return finish(work, name, start(work, name, prompts, **kw))
+
+
+def tokens(report: dict[str, Any]) -> list[list[int]]:
+    return [r["tokens"] for r in report["results"]]
+
+
+def external(report: dict[str, Any]) -> list[int]:
+    return [r["external_tokens"] for r in report["results"]]
+
+
+def cached(report: dict[str, Any]) -> list[int]:
+    return [r["num_cached_tokens"] for r in report["results"]]

@@ -1,0 +1,195 @@
+"""The model families users run, end to end on real vLLM (CPU build), each a
+tiny random-weight model built by scripts/tiny_models.py.
+
+Every family: store in one process, load in a second, greedy tokens equal a
+run without the connector, and the external hit covers the full blocks of a
+whole stored prompt and of a prefix shared with another stored prompt. vLLM's
+prefix cache is on, as in production; the load run's prompts share nothing
+with each other, so every hit it reports is the connector's.
+
+DeepSeek-V2 (MLA) cannot keep its tokens on the CPU once KV is reused: vLLM's
+CPU MLA prefill and decode paths disagree, and vLLM turns prefix caching off
+for it. There the connector must not load at all (and says so), and the load
+path is checked byte for byte instead.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.runs import (
+    WARMUP_TOKENS,
+    build_model,
+    cached,
+    external,
+    run,
+    tokens,
+)
+
+pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
+pytestmark = pytest.mark.e2e
+
+
+def _prompts(block: int) -> dict[str, list[int]]:
+    """A: a whole prompt to hit; C: another stored prompt; B: shares C's first
+    200 tokens (a partial prefix of a stored prompt), nothing with A."""
+    rng = random.Random(7)
+    a = [rng.randrange(4, 2999) for _ in range(300)]
+    c = [rng.randrange(4, 2999) for _ in range(270)]
+    b = c[:200] + [rng.randrange(4, 2999) for _ in range(70)]
+    return {"A": a, "B": b, "C": c}
+
+
+def _full_blocks(tokens: list[int], block: int) -> int:
+    return (len(tokens) - 1) // block * block  # the last token is computed
+
+
+def _store_and_load(tmp_path: Path, family: str, block: int, **kw):
+    """(baseline, store, load) reports: baseline and load over [A, B], the
+    store run over [A, C]."""
+    model = build_model(tmp_path / "model", family)
+    p = _prompts(block)
+    cache = tmp_path / "cache"
+    baseline = run(tmp_path, "baseline", [p["A"], p["B"]], model=model)
+    store = run(tmp_path, "store", [p["A"], p["C"]], model=model, cache_dir=cache, **kw)
+    load = run(tmp_path, "load", [p["A"], p["B"]], model=model, cache_dir=cache, **kw)
+    return p, baseline, store, load
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe", "gemma3"])
+def test_family_stores_and_loads_with_baseline_tokens(tmp_path, family):
+    block = 32
+    p, baseline, store, load = _store_and_load(tmp_path, family, block)
+    assert external(store) == [0, 0]
+    assert tokens(load) == tokens(baseline), f"{family}: tokens differ"
+    whole, shared = _full_blocks(p["A"], block), 200 // block * block
+    assert external(load) == [whole, shared], f"{family}: external hits"
+    assert cached(load) == [whole, shared]
+    if family == "gemma3":  # vLLM kept its hybrid KV cache manager on for us
+        assert "Turning off hybrid kv cache manager" not in load["log"]
+        assert "in 2 KV cache group(s)" in load["log"]
+
+
+def test_gemma3_group_structure_separates_namespaces_and_failed_loads_recompute(
+    tmp_path,
+):
+    """The same model with the hybrid KV cache manager off (one group of all
+    layers) never hits what the HMA run stored; with it on, a hybrid model's
+    corrupt blocks are recomputed (asynchronous loads fail per request)."""
+    p, baseline, _, _ = _store_and_load(tmp_path, "gemma3", 32)
+    model, cache = tmp_path / "model", tmp_path / "cache"
+    off = run(tmp_path, "hma_off", [p["A"], p["B"]], model=model, cache_dir=cache,
+              args=("--hma", "off"))  # fmt: skip
+    assert tokens(off) == tokens(baseline)
+    assert external(off) == [0, 0]
+    assert "in 1 KV cache group(s)" in off["log"]
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(cache, corrupt)
+    chunks = list(corrupt.glob("*/chunks/*.safetensors"))
+    assert chunks
+    for path in chunks:  # flip bytes inside the data section of every chunk
+        data = bytearray(path.read_bytes())
+        for offset in range(8192, len(data) - 4096, 4099):
+            data[offset] ^= 0x5A
+        path.write_bytes(bytes(data))
+    bad = run(tmp_path, "corrupt", [p["A"], p["B"]], model=model, cache_dir=corrupt)
+    assert tokens(bad) == tokens(baseline)
+    assert "failed to load" in bad["log"]
+
+
+def test_gemma3_sliding_tails_save_fewer_bytes_and_heal_junctions(tmp_path):
+    """sliding_save: tails keeps only the window before each prompt end and
+    each shared-prefix junction: a whole stored prompt still hits, a prefix
+    shared at a new point misses once and hits the next time."""
+    from npukv_store.cli import main as npukv
+
+    model = build_model(tmp_path / "model", "gemma3")
+    p = _prompts(32)
+    rng = random.Random(8)
+    b2 = p["C"][:200] + [rng.randrange(4, 2999) for _ in range(60)]  # C's junction
+    sizes = {}
+    for policy in ("all", "tails"):
+        cache = tmp_path / policy
+        run(tmp_path, f"store_{policy}", [p["A"], p["C"]], model=model,
+            cache_dir=cache, extra={"sliding_save": policy})  # fmt: skip
+        sizes[policy] = _stored_bytes(npukv, cache)
+    assert sizes["tails"] < sizes["all"]
+    baseline = run(tmp_path, "baseline", [p["A"], p["B"], b2], model=model)
+    tails = {"sliding_save": "tails"}
+    load = run(tmp_path, "load_tails", [p["A"], p["B"], b2], model=model,
+               cache_dir=tmp_path / "tails", extra=tails)  # fmt: skip
+    assert tokens(load) == tokens(baseline)
+    assert external(load) == [_full_blocks(p["A"], 32), 0, 192]
+
+
+def _stored_bytes(npukv, cache: Path) -> int:
+    import contextlib
+    import io
+    import json
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert npukv(["stats", str(cache)]) == 0
+    return int(json.loads(out.getvalue())["total_bytes"])
+
+
+def test_mla_loads_nothing_where_vllm_turned_prefix_caching_off(tmp_path):
+    """DeepSeek-V2 on the CPU: by default the connector saves but never loads,
+    so the tokens are the baseline's; with load_without_prefix_caching the
+    pages right after each load equal, byte for byte and for every layer, the
+    pages the storing process computed, in bulk and layerwise modes."""
+    model = build_model(tmp_path / "model", "deepseek_v2")
+    p, cache = _prompts(16), tmp_path / "cache"
+    baseline = run(tmp_path, "baseline", [p["A"], p["B"]], model=model)
+    store = run(tmp_path, "store", [p["A"], p["C"]], model=model, cache_dir=cache,
+                args=("--record-kv", str(tmp_path / "s.kv")))  # fmt: skip
+    shutil.copytree(cache, tmp_path / "stored")  # as the store run left it
+    load = run(tmp_path, "load", [p["A"], p["B"]], model=model, cache_dir=cache)
+    assert "forcing chunked prefill and prefix caching to be disabled" in store["log"]
+    assert tokens(load) == tokens(baseline)
+    assert external(load) == [0, 0]
+    assert "loads are off, saves go on" in load["log"]
+    assert "prefix caching disabled" in load["log"]
+    saved = _kv(tmp_path / "s.kv")["saved"]
+    layers = {name for pages in saved.values() for name in pages}
+    assert len(layers) == 3
+    whole, shared = _full_blocks(p["A"], 16), 200 // 16 * 16
+    for mode in ("off", "on"):
+        record, copy = tmp_path / f"{mode}.kv", tmp_path / f"cache_{mode}"
+        shutil.copytree(tmp_path / "stored", copy)
+        forced = run(
+            tmp_path, f"forced_{mode}", [p["A"], p["B"]], model=model,
+            cache_dir=copy, args=("--record-kv", str(record)),
+            extra={"load_without_prefix_caching": True, "layerwise": mode},
+        )  # fmt: skip
+        assert external(forced) == [whole, shared]
+        loaded = _kv(record)["loaded"]
+        assert len(loaded) == (whole + shared + WARMUP_TOKENS // 16 * 16) // 16
+        for key, pages in loaded.items():
+            assert set(pages) == layers, f"{mode}: key {key} missing layers"
+            assert pages == saved[key], f"{mode}: key {key} differs from its save"
+
+
+def _kv(path: Path) -> dict:
+    import json
+
+    return json.loads(path.read_text())
+
+
+def test_qwen3_next_is_served_with_the_connector_off_and_one_clear_message(tmp_path):
+    """Linear attention (Mamba groups) has no block-wise hit: the connector
+    turns itself off at start-up naming the group, and vLLM serves on."""
+    model = build_model(tmp_path / "model", "qwen3_next")
+    p = _prompts(32)
+    baseline = run(tmp_path, "baseline", [p["A"]], model=model)
+    served = run(tmp_path, "served", [p["A"]], model=model, cache_dir=tmp_path / "c")
+    assert tokens(served) == tokens(baseline)
+    assert "Failed to promote" not in served["log"]
+    lines = [line for line in served["log"].splitlines() if "connector is off" in line]
+    assert len(lines) == 1, lines
+    assert "KV cache group 0 is MambaSpec" in lines[0]
+    assert "model.layers.0.linear_attn" in lines[0]
