@@ -143,7 +143,9 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             sending, recving, failed = self._worker.transfer_results()
         except Exception:
             logger.exception("npukv_store: get_transfer_results failed")
-            sending, recving, failed = self._worker.held_requests(), set(), set()
+            sending = self._worker.held_requests()
+            failed = self._worker.abandon_loads()  # vLLM must not wait for ever
+            recving = set(failed)
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
@@ -183,6 +185,8 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.allocated(request, block_ids, num_external_tokens)
         except Exception:
             logger.exception("npukv_store: update_state_after_alloc failed")
+            if num_external_tokens > 0 and self._scheduler.load_async:
+                self._scheduler.fail_load(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._scheduler is not None

@@ -54,9 +54,13 @@ class NPUKVMetadata(KVConnectorMetadata):
     #: requests that finished and whose blocks the scheduler keeps allocated
     #: until the workers report them (get_finished) after their saves' copies
     held_req_ids: list[str] = field(default_factory=list)
+    #: asynchronous loads vLLM waits for but the scheduler could not plan: the
+    #: workers report them received and failed, so vLLM recomputes them
+    #: instead of waiting for ever
+    failed_loads: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.held_req_ids)
+        return not (self.loads or self.saves or self.held_req_ids or self.failed_loads)
 
 
 @dataclass

@@ -64,6 +64,7 @@ class SchedulerSide:
         self.kv_cache_manager: Any = None
         self._requests: dict[str, _RequestState] = {}
         self._loads: dict[str, list[BlockTransfer]] = {}
+        self._failed_loads: list[str] = []
         self._held: list[str] = []
         self._warned: set[str] = set()
         self.store: KVStore | None = None
@@ -240,6 +241,9 @@ class SchedulerSide:
                         asynchronous=self.load_async,
                     )
                 )
+        if self.load_async and not loads:  # vLLM waits for it: say it failed
+            self.fail_load(request.request_id)
+            return
         self._loads[request.request_id] = loads
         self.stats.add(hit_tokens=num_external)
         if not self.hint_readahead:
@@ -251,21 +255,27 @@ class SchedulerSide:
         except Exception:
             self._warn_once("readahead", "readahead hint failed")
 
+    def fail_load(self, req_id: str) -> None:
+        """An asynchronous load vLLM now waits for could not be planned: the
+        workers report it failed in the next step (vLLM recomputes it)."""
+        self._loads.pop(req_id, None)
+        self._failed_loads.append(req_id)
+
     def build_meta(self, scheduler_output: Any) -> NPUKVMetadata:
         meta = NPUKVMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
-        for rid, loads in self._loads.items():
+        loads, self._loads = self._loads, {}
+        for rid, transfers in loads.items():
             # an asynchronous load runs in a step that does not schedule its
             # request; a synchronous one only in the step that computes it
-            if rid in scheduled or (loads and loads[0].asynchronous):
-                meta.loads += loads
-        self._loads.clear()
-        if not self.disabled_reason:
+            if rid in scheduled or (transfers and transfers[0].asynchronous):
+                meta.loads += transfers
+        meta.failed_loads, self._failed_loads = self._failed_loads, []
+        meta.held_req_ids, self._held = self._held, []
+        if not self.disabled_reason:  # each request's planning is guarded
             seen: set[bytes] = set()
             for req_id, num_tokens in scheduled.items():
                 meta.saves += self._step_save(req_id, num_tokens, seen)
-        meta.held_req_ids = self._held
-        self._held = []
         return meta
 
     def _step_save(

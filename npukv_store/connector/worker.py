@@ -304,6 +304,7 @@ class WorkerSide:
     # -- loads ----------------------------------------------------------------------
 
     def start_load(self) -> None:
+        self._failed_recving.update(self._meta.failed_loads)
         loads = [t for t in self._meta.loads if not t.asynchronous]
         later = [t for t in self._meta.loads if t.asynchronous]
         if later:
@@ -422,6 +423,19 @@ class WorkerSide:
                     failed.add(req_id)
         self._async_jobs = pending
         return sending, recving, failed
+
+    def abandon_loads(self) -> set[str]:
+        """Every asynchronous load still pending, once its reads and copies
+        have stopped (its blocks may be reused after): all to be reported
+        failed when results cannot be collected."""
+        requests = set(self._failed_recving)
+        self._failed_recving = set()
+        for job in self._async_jobs:
+            if self.loader is not None:
+                self.loader.settle(job)
+            requests.update(job.requests)
+        self._async_jobs = []
+        return requests
 
     # -- stats and shutdown ---------------------------------------------------------
 

@@ -243,3 +243,36 @@ def test_worker_saves_each_group_and_loads_them_asynchronously(tmp_path):
     # never block ids: vLLM cannot map them back with several groups
     assert loader.take_load_errors() == set()
     loader.close()
+
+
+def test_an_async_load_that_cannot_be_planned_is_reported_failed(tmp_path):
+    """vLLM waits for every asynchronous load it was promised: when planning
+    one fails in update_state_after_alloc, the workers still report it
+    received and failed, so vLLM recomputes it instead of waiting for ever."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from npukv_store.connector.connector import NPUKVStoreConnector
+
+    vllm_config, kv_cache_config = hybrid_config(
+        extra={"cache_dir": str(tmp_path / "cache"), "ring_size": "8MiB"}
+    )
+    connector = NPUKVStoreConnector(
+        vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config
+    )
+    request = make_request("r", list(range(4 * BLOCK + 1)))
+    connector.get_num_new_matched_tokens(request, 0)
+    broken = SimpleNamespace(get_block_ids=lambda: 1 / 0)
+    connector.update_state_after_alloc(request, broken, 4 * BLOCK)
+    meta = connector._scheduler.build_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.failed_loads == ["r"]
+    assert not meta.is_empty()
+    connector.shutdown()
+
+    worker = WorkerSide(vllm_config, kv_cache_config, settings(tmp_path))
+    worker.register(hybrid_caches(3))
+    worker.bind(meta)
+    worker.start_load()
+    worker.finish_step()
+    assert worker.transfer_results()[1:] == ({"r"}, {"r"})
+    assert worker.transfer_results()[1:] == (set(), set())  # reported once
+    worker.close()
