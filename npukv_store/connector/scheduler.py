@@ -233,14 +233,9 @@ class SchedulerSide:
             rows = [i for i in range(start, stop) if ids[i] != 0]  # 0: null block
             if rows:
                 loads.append(
-                    BlockTransfer(
-                        request.request_id,
-                        [ids[i] for i in rows],
-                        [pack_keys([rk[group.index][i] for i in rows]) for rk in keys],
-                        group=group.index,
-                        asynchronous=self.load_async,
-                    )
+                    _transfer(request.request_id, group.index, ids, rows, keys)
                 )
+                loads[-1].asynchronous = self.load_async
         if self.load_async and not loads:  # vLLM waits for it: say it failed
             self.fail_load(request.request_id)
             return
@@ -330,14 +325,7 @@ class SchedulerSide:
             if not rows:
                 continue
             seen.update(first[i] for i in rows)
-            saves.append(
-                BlockTransfer(
-                    request.request_id,
-                    [ids[i] for i in rows],
-                    [pack_keys([rk[group.index][i] for i in rows]) for rk in keys],
-                    group=group.index,
-                )
-            )
+            saves.append(_transfer(request.request_id, group.index, ids, rows, keys))
         state.saved_any = state.saved_any or bool(saves)
         return saves
 
@@ -375,6 +363,18 @@ class SchedulerSide:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def _transfer(
+    req_id: str, group: int, block_ids: list[int], rows: list[int], keys: Keys
+) -> BlockTransfer:
+    """Blocks ``rows`` of one group of a request, with every rank's keys."""
+    return BlockTransfer(
+        req_id,
+        [block_ids[i] for i in rows],
+        [pack_keys([rank[group][i] for i in rows]) for rank in keys],
+        group=group,
+    )
 
 
 def _workers_load_layerwise(vllm_config: Any, settings: StoreConfig) -> bool:

@@ -84,6 +84,21 @@ def run(work: Path, name: str, prompts: list[list[int]], **kw: Any) -> dict[str,
     return finish(work, name, start(work, name, prompts, **kw))
 
 
+def corrupt_copy(source: Path, dest: Path) -> list[Path]:
+    """A copy of cache directory ``source`` at ``dest`` with bytes flipped all
+    over the data section of every chunk; returns the chunk files."""
+    import shutil
+
+    shutil.copytree(source, dest)
+    chunks = list(dest.glob("*/chunks/*.safetensors"))
+    for path in chunks:
+        data = bytearray(path.read_bytes())
+        for offset in range(8192, len(data) - 4096, 4099):
+            data[offset] ^= 0x5A
+        path.write_bytes(bytes(data))
+    return chunks
+
+
 def tokens(report: dict[str, Any]) -> list[list[int]]:
     return [r["tokens"] for r in report["results"]]
 

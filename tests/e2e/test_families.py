@@ -25,6 +25,7 @@ from tests.e2e.runs import (
     WARMUP_TOKENS,
     build_model,
     cached,
+    corrupt_copy,
     external,
     run,
     tokens,
@@ -88,14 +89,7 @@ def test_gemma3_group_structure_separates_namespaces_and_failed_loads_recompute(
     assert external(off) == [0, 0]
     assert "in 1 KV cache group(s)" in off["log"]
     corrupt = tmp_path / "corrupt"
-    shutil.copytree(cache, corrupt)
-    chunks = list(corrupt.glob("*/chunks/*.safetensors"))
-    assert chunks
-    for path in chunks:  # flip bytes inside the data section of every chunk
-        data = bytearray(path.read_bytes())
-        for offset in range(8192, len(data) - 4096, 4099):
-            data[offset] ^= 0x5A
-        path.write_bytes(bytes(data))
+    assert corrupt_copy(cache, corrupt)
     bad = run(tmp_path, "corrupt", [p["A"], p["B"]], model=model, cache_dir=corrupt)
     assert tokens(bad) == tokens(baseline)
     assert "failed to load" in bad["log"]
