@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +123,35 @@ def describe_layer(
         segments, kind = _tensor_segments(name, "", kv, num_blocks, npu_format)
     page_bytes = sum(s.run_bytes for s in segments)
     return LayerLayout(name, tuple(segments), page_bytes, kind)
+
+
+def page_layout(
+    name: str,
+    kv_caches: Mapping[str, Any],
+    num_blocks: int,
+    page_bytes: int,
+    npu_format: Callable[[Any], int] | None = None,
+) -> LayerLayout:
+    """:func:`describe_layer` of ``kv_caches[name]``, which must exist and
+    have pages of exactly ``page_bytes`` (the KV cache spec's page size).
+
+    Raises:
+        ConfigError: the layer is not among ``kv_caches``.
+        LayoutError: its pages are not byte runs of that size.
+    """
+    if name not in kv_caches:
+        raise ConfigError(
+            f"layer {name!r}: in the KV cache config but not among the "
+            f"{len(kv_caches)} registered KV caches"
+        )
+    layout = describe_layer(name, kv_caches[name], num_blocks, npu_format=npu_format)
+    if layout is None or layout.page_bytes != page_bytes:
+        found = "nothing" if layout is None else f"{layout.page_bytes} bytes"
+        raise LayoutError(
+            f"layer {name!r}: block page of {found}, expected "
+            f"{page_bytes} bytes (the KV cache spec's page size)"
+        )
+    return layout
 
 
 def _tensor_segments(

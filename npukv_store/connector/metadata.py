@@ -45,6 +45,18 @@ class BlockTransfer:
         return unpack_keys(blob)
 
 
+def concat_transfers(
+    transfers: list[BlockTransfer], rank: int
+) -> tuple[list[bytes], list[int]]:
+    """Rank ``rank``'s keys and the block ids of ``transfers``, in order."""
+    keys: list[bytes] = []
+    block_ids: list[int] = []
+    for transfer in transfers:
+        keys += transfer.keys(rank)
+        block_ids += transfer.block_ids
+    return keys, block_ids
+
+
 @dataclass
 class NPUKVMetadata(KVConnectorMetadata):
     """One step's work: loads before/while the forward runs, saves after."""

@@ -19,6 +19,7 @@ device runs of the layer concatenated (see :mod:`npukv_store.layout`).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from npukv_store.errors import UnsupportedSetup
 from npukv_store.spec import LayerSpec, NamespaceSpec, PartSpec
 
 PAGE_PART = "page"
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,16 @@ def engine_namespaces(
         for rank in range(1 if mla else tp_size)
     )
     return EngineKV(tuple(groups), specs, block_size)
+
+
+def model_order(layer_name: str) -> int:
+    """Sort key: the layer's index in the model (the forward's order), the
+    first integer part of its name as in vLLM's extract_layer_index (not
+    imported: that module pulls in grpc and tvm_ffi, which made a test process
+    abort at exit); names without one go last, in their order (sorts are
+    stable)."""
+    match = _LAYER_INDEX.search(layer_name)
+    return int(match.group(1)) if match else 1 << 30
 
 
 def _first_spec(kv_spec: Any) -> Any:

@@ -29,25 +29,31 @@ Hooks for layers the store does not hold (vllm-ascend's ``save_kv_layer("",
 from __future__ import annotations
 
 import logging
-import re
 import time
 from typing import Any
 
 from npukv_store.config import StoreConfig
 from npukv_store.connector.loader import LayerLoader, LoadJob, LoadLayer
-from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata
-from npukv_store.connector.namespace import PAGE_PART, EngineKV, engine_namespaces
+from npukv_store.connector.metadata import (
+    BlockTransfer,
+    NPUKVMetadata,
+    concat_transfers,
+)
+from npukv_store.connector.namespace import (
+    PAGE_PART,
+    EngineKV,
+    engine_namespaces,
+    model_order,
+)
+from npukv_store.connector.saves import StepSaver
 from npukv_store.connector.stats import NPUKVStats
-from npukv_store.device.ordering import d2h_after, record_written
 from npukv_store.errors import ConfigError, UnsupportedSetup
-from npukv_store.layout import LayerLayout, LayoutError, build_runs, describe_layer
-from npukv_store.store.format import MAX_CHUNK_BLOCKS
-from npukv_store.store.store import KVStore, StagedSave
+from npukv_store.layout import LayoutError, page_layout
+from npukv_store.store.store import KVStore
 
 logger = logging.getLogger(__name__)
 
 _LOG_INTERVAL_S = 30.0
-_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 class WorkerSide:
@@ -70,11 +76,7 @@ class WorkerSide:
         self.totals = NPUKVStats()
         self._last_log = time.monotonic()
         self._meta = NPUKVMetadata()
-        self._staged: list[tuple[StagedSave, list[int], int]] = []  # +ids, group
-        self._filled: list[bool] = []
-        self._save_planned = False
-        self._save_started = 0.0
-        self._last_save_event: Any = None
+        self.saver: StepSaver | None = None
         self._load: LoadJob | None = None
         self._async_jobs: list[LoadJob] = []
         self._failed_recving: set[str] = set()
@@ -126,9 +128,9 @@ class WorkerSide:
         for group, spec in enumerate(self.specs):
             for pos, layer in enumerate(spec.layers):
                 placed.append((layer.name, group, pos, layer.row_bytes))
-        placed.sort(key=lambda entry: _model_order(entry[0]))  # forward order
+        placed.sort(key=lambda entry: model_order(entry[0]))  # forward order
         for name, group, pos, row_bytes in placed:
-            layout = _layout(name, kv_caches, num_blocks, row_bytes, npu_format)
+            layout = page_layout(name, kv_caches, num_blocks, row_bytes, npu_format)
             self.layer_index[name] = len(self.layers)
             self.layers.append(LoadLayer(f"{name}.{PAGE_PART}", layout, group))
             self._layer_pos.append(pos)
@@ -141,6 +143,10 @@ class WorkerSide:
         self.loader = LayerLoader(
             self.stores, self.layers, self.backend, self.xfer,
             self.settings.prefetch_depth,
+        )  # fmt: skip
+        self.saver = StepSaver(
+            self.stores, self.specs, self.layers, self._layer_pos, self.backend,
+            self.xfer, self.settings, self.rank, self._warn_once,
         )  # fmt: skip
         logger.info(
             "npukv_store: worker rank %d ready: %d layers in %d KV cache group(s), "
@@ -164,106 +170,35 @@ class WorkerSide:
 
     def bind(self, meta: NPUKVMetadata) -> None:
         self._meta = meta
-        self._save_planned = bool(meta.saves) and self.store is not None
-        self._staged = []
-        self._filled = [False] * len(self.layers)
+        if self.saver is not None:
+            self.saver.plan(meta.saves if not self.disabled_reason else [])
         self._hooks_seen.clear()
         self._loads_seen.clear()
 
     def save_layer(self, layer_name: str) -> None:
         if self._observe_hooks:
             self._hooks_seen.add(layer_name)
-        if not (self.layerwise and self._save_planned) or self.disabled_reason:
+        if not self.layerwise or self.saver is None:
             return
         index = self.layer_index.get(layer_name)
-        if index is None or self._filled[index]:
-            return  # another kind of layer (e.g. linear attention's "" hook)
-        try:
-            self._begin_save()
-            self._copy_layer_out(index)
-        except Exception:
-            self._fail_save("layerwise save")
-
-    def _begin_save(self) -> None:
-        """Claim this step's blocks and reserve their ring regions (once)."""
-        if self._staged or not self._save_planned:
-            return
-        self._save_started = time.perf_counter()
-        for group, spec in enumerate(self.specs):
-            keys, block_ids = _concat(
-                [s for s in self._meta.saves if s.group == group], self.rank
-            )
-            target = self.settings.chunk_target_size // spec.block_bytes
-            per_chunk = max(1, min(MAX_CHUNK_BLOCKS, target))
-            for start in range(0, len(keys), per_chunk):
-                staged = self.stores[group].begin_save(keys[start : start + per_chunk])
-                if staged is not None:
-                    ids = [block_ids[start + i] for i in staged.indices]
-                    self._staged.append((staged, ids, group))
-        if not self._staged:
-            self._save_planned = False  # all stored, in flight or dropped
-
-    def _copy_layer_out(self, index: int) -> None:
-        """D2H of layer ``index``'s blocks into every staged batch of its
-        group, ordered after the compute stream's work so far (the layer's KV
-        is written)."""
-        layer = self.layers[index]
-        written = record_written(self.backend)
-        for staged, block_ids, group in self._staged:
-            if group != layer.group:
-                continue
-            src, dst, sizes = build_runs(
-                [layer.layout], block_ids, range(len(block_ids)),
-                staged.layer_address(self._layer_pos[index]), layer.layout.page_bytes,
-            )  # fmt: skip
-            with self.backend.stream_ctx(self.xfer):
-                d2h_after(self.backend, written, self.xfer, src, dst, sizes)
-        self._filled[index] = True
-
-    def _fail_save(self, what: str) -> None:
-        self._warn_once(what, f"{what} failed; this step's blocks are not saved")
-        for staged, _, group in self._staged:
-            self.stores[group].abort_save(staged)
-        self._staged = []
-        self._save_planned = False
+        if index is not None:  # else another kind of layer (linear attention's "")
+            self.saver.copy_layer(index)
 
     def finish_step(self) -> None:
         """wait_for_save: copy what the hooks did not, queue the saves, and
         settle this step's loads. Never waits for the disk."""
         if self._observe_hooks:
             self._learn_hooks()
-        if self._save_planned and not self.disabled_reason:
-            try:
-                self._begin_save()
-                for index, filled in enumerate(self._filled):
-                    if not filled and self._staged:
-                        self._copy_layer_out(index)
-                self._commit_saves()
-            except Exception:
-                self._fail_save("save")
-        self._save_planned = False
+        queued = self.saver.finish() if self.saver is not None else None
+        if queued is not None:
+            blocks, nbytes, seconds = queued
+            self.stats.add(
+                saved_blocks=blocks, saved_bytes=nbytes, save_seconds=seconds
+            )
         if self._load is not None:
             self._settle_load(self._load)
             self._load = None
         self._maybe_log()
-
-    def _commit_saves(self) -> None:
-        if not self._staged:
-            return
-        done = self.backend.new_event()
-        done.record(self.xfer)
-        blocks = nbytes = 0
-        for staged, _, group in self._staged:
-            self.stores[group].commit_save(staged, done)
-            blocks += len(staged.keys)
-            nbytes += len(staged.keys) * self.specs[group].block_bytes
-        self._staged = []
-        self._last_save_event = done
-        self.stats.add(
-            saved_blocks=blocks,
-            saved_bytes=nbytes,
-            save_seconds=time.perf_counter() - self._save_started,
-        )
 
     def _learn_hooks(self) -> None:
         """auto: switch to layerwise once both hooks fired for every layer, on
@@ -286,9 +221,8 @@ class WorkerSide:
     def fence(self) -> None:
         """handle_preemptions / held requests: the D2H copies out of blocks
         about to be reused must be complete."""
-        if self._last_save_event is not None:
-            self._last_save_event.synchronize()
-            self._last_save_event = None
+        if self.saver is not None:
+            self.saver.fence()
 
     def held_requests(self) -> set[str]:
         """Finished requests whose blocks the scheduler holds for us."""
@@ -351,7 +285,7 @@ class WorkerSide:
         self, loads: list[BlockTransfer]
     ) -> tuple[list[list[bytes]], list[list[int]]]:
         pairs = [
-            _concat([t for t in loads if t.group == g], self.rank)
+            concat_transfers([t for t in loads if t.group == g], self.rank)
             for g in range(len(self.specs))
         ]
         return [k for k, _ in pairs], [b for _, b in pairs]
@@ -480,46 +414,6 @@ class WorkerSide:
         if what not in self._warned:
             self._warned.add(what)
             logger.warning("npukv_store: %s", message, exc_info=True)
-
-
-def _layout(
-    name: str,
-    kv_caches: dict[str, Any],
-    num_blocks: int,
-    row_bytes: int,
-    npu_format: Any,
-) -> LayerLayout:
-    if name not in kv_caches:
-        raise ConfigError(
-            f"layer {name!r}: in the KV cache config but not among the "
-            f"{len(kv_caches)} registered KV caches"
-        )
-    layout = describe_layer(name, kv_caches[name], num_blocks, npu_format=npu_format)
-    if layout is None or layout.page_bytes != row_bytes:
-        found = "nothing" if layout is None else f"{layout.page_bytes} bytes"
-        raise LayoutError(
-            f"layer {name!r}: block page of {found}, expected "
-            f"{row_bytes} bytes (the KV cache spec's page size)"
-        )
-    return layout
-
-
-def _model_order(layer_name: str) -> int:
-    """Sort key: the layer's index in the model (the forward's order), the
-    first integer part of its name as in vLLM's extract_layer_index (not
-    imported: that module pulls in grpc and tvm_ffi); names without one go
-    last, in their order (the sort is stable)."""
-    match = _LAYER_INDEX.search(layer_name)
-    return int(match.group(1)) if match else 1 << 30
-
-
-def _concat(transfers: list[BlockTransfer], rank: int) -> tuple[list[bytes], list[int]]:
-    keys: list[bytes] = []
-    block_ids: list[int] = []
-    for transfer in transfers:
-        keys += transfer.keys(rank)
-        block_ids += transfer.block_ids
-    return keys, block_ids
 
 
 def _first_tensor(kv_caches: dict[str, Any]) -> Any:
