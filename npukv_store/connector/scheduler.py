@@ -233,9 +233,11 @@ class SchedulerSide:
             rows = [i for i in range(start, stop) if ids[i] != 0]  # 0: null block
             if rows:
                 loads.append(
-                    _transfer(request.request_id, group.index, ids, rows, keys)
-                )
-                loads[-1].asynchronous = self.load_async
+                    _transfer(
+                        request.request_id, group.index, ids, rows, keys,
+                        asynchronous=self.load_async,
+                    )
+                )  # fmt: skip
         if self.load_async and not loads:  # vLLM waits for it: say it failed
             self.fail_load(request.request_id)
             return
@@ -366,7 +368,13 @@ class SchedulerSide:
 
 
 def _transfer(
-    req_id: str, group: int, block_ids: list[int], rows: list[int], keys: Keys
+    req_id: str,
+    group: int,
+    block_ids: list[int],
+    rows: list[int],
+    keys: Keys,
+    *,
+    asynchronous: bool = False,
 ) -> BlockTransfer:
     """Blocks ``rows`` of one group of a request, with every rank's keys."""
     return BlockTransfer(
@@ -374,6 +382,7 @@ def _transfer(
         [block_ids[i] for i in rows],
         [pack_keys([rank[group][i] for i in rows]) for rank in keys],
         group=group,
+        asynchronous=asynchronous,
     )
 
 
