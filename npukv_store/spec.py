@@ -166,6 +166,33 @@ class NamespaceSpec:
         """Bytes of one block over all layers."""
         return sum(layer.row_bytes for layer in self.layers)
 
+    @classmethod
+    def from_json(cls, text: str) -> NamespaceSpec:
+        """The spec of a ``namespace.json`` (:meth:`canonical_json`'s output);
+        for a rank-independent spec, its rank-0 form (the same fingerprint).
+
+        Raises:
+            ValueError: not such a JSON object, or its values are invalid.
+        """
+        try:
+            body = json.loads(text)
+            body.pop("format_version")
+            layers = tuple(
+                LayerSpec(
+                    layer["name"],
+                    tuple(
+                        PartSpec(p["name"], p["dtype"], tuple(p["row_shape"]))
+                        for p in layer["parts"]
+                    ),
+                )
+                for layer in body.pop("layers")
+            )
+            return cls(layers=layers, **body)
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(
+                f"namespace spec: {exc!r}; expected the JSON of a NamespaceSpec"
+            ) from None
+
     def canonical_json(self) -> str:
         """The spec as canonical JSON: the input of the namespace fingerprint."""
         body = asdict(self)

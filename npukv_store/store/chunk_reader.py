@@ -46,6 +46,7 @@ from npukv_store.errors import FormatError
 from npukv_store.io.direct import DIRECT_ALIGN_BYTES, open_direct
 from npukv_store.io.engine import READ, IOEngine, IORequest, make_engine
 from npukv_store.spec import NamespaceSpec
+from npukv_store.store import policy
 from npukv_store.store.arrays import DestRows
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import ChunkHeader, layer_checksums, parse_header
@@ -61,8 +62,6 @@ T = TypeVar("T")
 #: Layers are read in file order: SEQUENTIAL doubles the readahead window of each
 #: freshly opened chunk (measured +10-15% cold, docs/design.md §13).
 _ADVICE = os.POSIX_FADV_SEQUENTIAL
-#: A range with at least this share of its pages cached is read buffered.
-_CACHED_SHARE = 0.5
 #: Vectored reads: at most this many bytes and buffers per request.
 _MAX_REQUEST_BYTES = 4 << 20
 _MAX_IOVECS = 64
@@ -135,7 +134,7 @@ class ChunkReader:
         """True the first time this reader reads ``chunk_id`` (recently); a
         second read is buffered and so admits the chunk to the page cache."""
         with self._lock:
-            first = chunk_id not in self._read_before
+            first = not policy.admit_on_read(chunk_id in self._read_before)
             self._read_before[chunk_id] = None
             self._read_before.move_to_end(chunk_id)
             while len(self._read_before) > _READ_BEFORE_ENTRIES:
@@ -603,13 +602,13 @@ class _ChunkFiles:
     def pick(self, segments: list[Segment], shares: np.ndarray | None) -> list[int]:
         """The fd each segment is read through: O_DIRECT where its range is
         aligned, its destination is aligned and the page cache holds less than
-        ``_CACHED_SHARE`` of it; else the buffered fd."""
+        ``policy.CACHED_SHARE`` of it; else the buffered fd."""
         fds = [self.fd] * len(segments)
         if not self._may_open_direct or shares is None:
             return fds
         for i, (offset, _, _, dest) in enumerate(segments):
-            aligned = (offset | dest.nbytes | dest.ctypes.data) % DIRECT_ALIGN_BYTES
-            if aligned or shares[i] >= _CACHED_SHARE:
+            unaligned = (offset | dest.nbytes | dest.ctypes.data) % DIRECT_ALIGN_BYTES
+            if not policy.read_around_cache(float(shares[i]), unaligned == 0):
                 continue
             direct_fd = self._open_direct()
             if direct_fd is None:

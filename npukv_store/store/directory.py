@@ -13,6 +13,9 @@ Layout (docs/format.md)::
 
     <cache_dir>/NPUKV_STORE               marker: {"magic", "format_version", ...}
     <cache_dir>/index/                    the LMDB index
+    <cache_dir>/claims/                   save claims (LMDB, never fsynced)
+    <cache_dir>/quarantine/               corrupt chunks, kept for inspection
+    <cache_dir>/maintenance.lock          flock: one maintenance run at a time
     <cache_dir>/<ns>/namespace.json       the namespace spec, human-readable
     <cache_dir>/<ns>/chunks/<id>.safetensors
     <cache_dir>/tmp/<pid>-<id>.tmp        in-flight files
@@ -55,6 +58,9 @@ class CacheDir:
         self.root = os.path.abspath(root)
         self.index_path = os.path.join(self.root, "index")
         self.tmp_dir = os.path.join(self.root, "tmp")
+        self.claims_path = os.path.join(self.root, "claims")
+        self.quarantine_dir = os.path.join(self.root, "quarantine")
+        self.maintenance_lock = os.path.join(self.root, "maintenance.lock")
 
     def open(self) -> None:
         """Create the directory and marker, or check an existing marker.

@@ -3,6 +3,7 @@
 Runs in: any process; pure functions plus ``pread`` on a caller's fd. Byte-level
 specification: ``docs/format.md``.
 
+    ChunkLayout        - where each layer, part and the checksum table sit
     build_chunk()      - the buffers of a whole chunk file, in file order
     encode_header()    - the 8-byte length + JSON header, padded to 4096 bytes
     compute_checksums()- xxh3_64 per (block, layer) over the layer's parts
@@ -89,6 +90,74 @@ class ChunkHeader:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class PartRange:
+    """One tensor's bytes in a chunk file's data section."""
+
+    layer_index: int
+    name: str  # the tensor name, ``<layer>.<part>``
+    dtype: str
+    row_shape: tuple[int, ...]
+    row_bytes: int
+    begin: int  # relative to the data section, as safetensors' data_offsets
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkLayout:
+    """Where the bytes of a chunk of ``n_blocks`` blocks of ``spec`` go: the one
+    place the header encoder, the saver (which fills a ring image in place) and
+    the reader (which checks a file against its namespace) take offsets from.
+
+    The data section is layer-major: layer ``i``'s parts one after another, each
+    ``n_blocks`` rows of its ``row_bytes``; then the checksum table, ``U64
+    [n_blocks, num_layers]``. ``data_start`` is the header's length (a multiple
+    of :data:`DATA_ALIGN`); offsets named ``*_offset`` are from the file start.
+    """
+
+    spec: NamespaceSpec
+    n_blocks: int
+    data_start: int = 0
+
+    def parts(self) -> list[PartRange]:
+        """Every tensor of the data section, in file order."""
+        out, offset = [], 0
+        for index, layer in enumerate(self.spec.layers):
+            for part in layer.parts:
+                size = self.n_blocks * part.row_bytes
+                out.append(
+                    PartRange(
+                        index,
+                        f"{layer.name}.{part.name}",
+                        part.dtype,
+                        tuple(part.row_shape),
+                        part.row_bytes,
+                        offset,
+                        offset + size,
+                    )  # fmt: skip
+                )
+                offset += size
+        return out
+
+    def layer_offset(self, layer_index: int) -> int:
+        """File offset of layer ``layer_index``'s first row."""
+        before = sum(layer.row_bytes for layer in self.spec.layers[:layer_index])
+        return self.data_start + self.n_blocks * before
+
+    @property
+    def checksum_offset(self) -> int:
+        """File offset of the checksum table: everything before it is data."""
+        return self.data_start + self.n_blocks * self.spec.block_bytes
+
+    @property
+    def checksum_bytes(self) -> int:
+        return self.n_blocks * len(self.spec.layers) * 8
+
+    @property
+    def file_size(self) -> int:
+        return self.checksum_offset + self.checksum_bytes
+
+
 def encode_header(
     spec: NamespaceSpec,
     namespace: str,
@@ -115,21 +184,18 @@ def encode_header(
             META_CREATED_NS: str(created_ns),
         }
     }
-    offset = 0
-    for layer in spec.layers:
-        for part in layer.parts:
-            size = num_blocks * part.row_bytes
-            body[f"{layer.name}.{part.name}"] = {
-                "dtype": part.dtype,
-                "shape": [num_blocks, *part.row_shape],
-                "data_offsets": [offset, offset + size],
-            }
-            offset += size
-    size = num_blocks * len(spec.layers) * 8
+    layout = ChunkLayout(spec, num_blocks)
+    for part in layout.parts():
+        body[part.name] = {
+            "dtype": part.dtype,
+            "shape": [num_blocks, *part.row_shape],
+            "data_offsets": [part.begin, part.end],
+        }
+    table = layout.checksum_offset
     body[CHECKSUM_TENSOR] = {
         "dtype": "U64",
         "shape": [num_blocks, len(spec.layers)],
-        "data_offsets": [offset, offset + size],
+        "data_offsets": [table, table + layout.checksum_bytes],
     }
     text = json.dumps(body, separators=(",", ":")).encode()
     total = -(-(8 + len(text)) // DATA_ALIGN) * DATA_ALIGN
@@ -248,6 +314,9 @@ def parse_header(
     layers, checksum_entry = group_layers(entries, layer_names, len(keys), path)
     if spec is not None:
         check_against_spec(layers, layer_names, spec, path)
+        # Names in the spec's file order and tensors that tile the data section
+        # pin every offset to ChunkLayout(spec, len(keys), data_start)'s
+        # (tests/unit/test_chunk_layout.py): readers may use either.
     table = _pread_exact(
         fd, checksum_entry.end - checksum_entry.begin, checksum_entry.begin, path
     )
@@ -270,6 +339,8 @@ __all__ = [
     "META_CREATOR",
     "REQUIRED_META",
     "ChunkHeader",
+    "ChunkLayout",
+    "PartRange",
     "TensorEntry",
     "build_chunk",
     "compute_checksums",

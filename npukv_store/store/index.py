@@ -16,7 +16,9 @@ Databases (all keys and values are fixed-layout bytes, see the ``_*_FMT``):
     keys    16-byte block key -> chunk id u64, row u32   (the block's home)
     chunks  chunk id u64 BE   -> ChunkRecord              (one per published chunk)
     lru     last access ns u64 BE + chunk id u64 BE -> '' (eviction order)
-    meta    b"schema" -> SCHEMA, b"total_bytes" -> u64    (global capacity ledger)
+    meta    b"schema" -> SCHEMA, b"total_bytes" -> u64    (global capacity ledger),
+            b"capacity" -> u64 (the capacity of the latest commit: what
+            the maintenance job and ``npukv stats`` report against)
     dead    chunk id u64 BE   -> namespace 16 bytes       (unpublished, file may
                                                          still await its unlink)
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass, replace
 import lmdb
 
 from npukv_store.errors import FormatError
+from npukv_store.store import policy
 
 SCHEMA = b"npukv-index-1"
 _LOC_FMT = struct.Struct("<QI")  # keys db value: chunk id, row
@@ -59,6 +62,21 @@ class ChunkRecord:
     last_access_ns: int
     created_ns: int
     keys: tuple[bytes, ...]
+
+    @classmethod
+    def new(
+        cls,
+        chunk_id: int,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        size_bytes: int,
+        created_ns: int,
+    ) -> ChunkRecord:
+        """The record of a chunk about to be committed (rows not yet won)."""
+        return cls(
+            chunk_id, namespace, size_bytes, len(keys), 0, created_ns, created_ns,
+            tuple(keys),
+        )  # fmt: skip
 
     def pack(self) -> bytes:
         head = _REC_FMT.pack(
@@ -88,7 +106,7 @@ class CommitResult:
     victims: tuple[ChunkRecord, ...]
 
 
-def _open_env(path: str, map_size: int, sync: bool) -> lmdb.Environment:
+def open_env(path: str, map_size: int, sync: bool) -> lmdb.Environment:
     """The process's environment for ``path``; reopened after a fork."""
     with _ENVS_LOCK:
         entry = _ENVS.get(path)
@@ -111,7 +129,7 @@ def _open_env(path: str, map_size: int, sync: bool) -> lmdb.Environment:
         return env
 
 
-def _release_env(path: str) -> None:
+def release_env(path: str) -> None:
     with _ENVS_LOCK:
         entry = _ENVS.get(path)
         if entry is None or entry[0] != os.getpid():
@@ -136,7 +154,7 @@ class Index:
         self.path = path
         self._released = True
         try:
-            self._env = _open_env(path, map_size, sync)
+            self._env = open_env(path, map_size, sync)
             self._released = False
         except lmdb.Error as exc:
             raise FormatError(f"{path}: index unreadable ({exc})") from exc
@@ -162,7 +180,7 @@ class Index:
         """Release this handle; the environment closes with its last handle."""
         if not getattr(self, "_released", True):
             self._released = True
-            _release_env(self.path)
+            release_env(self.path)
 
     # -- reads: never blocked by writers (MVCC snapshot) -----------------------
 
@@ -217,6 +235,14 @@ class Index:
         with self._env.begin(db=self._lru) as txn:
             for raw, _ in txn.cursor():
                 yield _LRU_FMT.unpack(raw)
+
+    def recorded_capacity(self) -> int | None:
+        """The ``capacity`` of the latest committing process (None before the
+        first commit): the directory does not store its config, and the
+        maintenance job and ``npukv stats`` need the budget the servers run to."""
+        with self._env.begin(db=self._meta) as txn:
+            raw = txn.get(b"capacity")
+        return None if raw is None else int(_U64.unpack(raw)[0])
 
     def totals(self) -> tuple[int, int, int]:
         """``(total bytes, chunks, keys)`` from the ledger and the db sizes."""
@@ -280,7 +306,75 @@ class Index:
             txn.put(_CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
             txn.put(_LRU_FMT.pack(rec.last_access_ns, rec.chunk_id), b"", db=self._lru)
             txn.put(b"total_bytes", _U64.pack(total + rec.size_bytes), db=self._meta)
+            if capacity_bytes < 1 << 62:  # rebuilds pass "unlimited"
+                txn.put(b"capacity", _U64.pack(capacity_bytes), db=self._meta)
         return CommitResult(live, False, tuple(victims))
+
+    def replace_chunks(
+        self,
+        record: ChunkRecord,
+        sources: Sequence[tuple[int, int]],
+        old_ids: Iterable[int],
+    ) -> tuple[int, list[ChunkRecord]]:
+        """Compaction's commit: publish ``record``, a rewrite of rows of the
+        ``old_ids`` chunks, and unpublish those chunks, in one transaction.
+
+        ``sources[row]`` is where row ``row`` of ``record`` was copied from. A
+        key moves to the new chunk only if its home is still that source row: a
+        key evicted or moved meanwhile stays as it is, and its new row is dead
+        space. The new chunk inherits the most recent access of the old ones, so
+        compaction does not make data look younger or older to eviction.
+
+        Returns:
+            The rows won and the old records unpublished; ``(0, [])`` when no
+            row was won (nothing changes; the caller deletes the new file).
+        """
+        with self._env.begin(write=True) as txn:
+            live = 0
+            for row, (key, source) in enumerate(zip(record.keys, sources, strict=True)):
+                if txn.get(key, db=self._keys) == _LOC_FMT.pack(*source):
+                    txn.put(key, _LOC_FMT.pack(record.chunk_id, row), db=self._keys)
+                    live += 1
+            if live == 0:
+                txn.abort()
+                return 0, []
+            total = _total(txn, self._meta)
+            removed, last = [], record.last_access_ns
+            for chunk_id in old_ids:
+                raw = txn.get(_CID.pack(chunk_id), db=self._chunks)
+                if raw is None:
+                    continue  # evicted meanwhile
+                old = ChunkRecord.unpack(chunk_id, raw)
+                self._unpublish_in(txn, old)
+                total -= old.size_bytes
+                last = max(last, old.last_access_ns)
+                removed.append(old)
+            rec = replace(record, live_rows=live, last_access_ns=last)
+            txn.put(_CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
+            txn.put(_LRU_FMT.pack(last, rec.chunk_id), b"", db=self._lru)
+            txn.put(b"total_bytes", _U64.pack(total + rec.size_bytes), db=self._meta)
+        return live, removed
+
+    def evict(self, excess: int, *, young_after_ns: int) -> list[ChunkRecord]:
+        """Unpublish the oldest chunks until ``excess`` bytes are gone, sparing
+        chunks used after ``young_after_ns`` (the maintenance job's eviction
+        down to a target; the same rule as a commit's). Evicts as much as the
+        rule allows when it cannot cover all of ``excess``."""
+        with self._env.begin(write=True) as txn:
+            victims: list[ChunkRecord] = []
+            while excess > 0:
+                picked = self._pick_victims(txn, excess, young_after_ns)
+                if picked is None:  # not enough: take what is old enough
+                    picked = self._pick_victims(txn, 1, young_after_ns)
+                    if not picked:
+                        break
+                for victim in picked:
+                    self._unpublish_in(txn, victim)
+                    excess -= victim.size_bytes
+                victims += picked
+            total = _total(txn, self._meta) - sum(v.size_bytes for v in victims)
+            txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
+        return victims
 
     def remove_chunks(self, chunk_ids: Iterable[int]) -> list[ChunkRecord]:
         """Unpublish chunks; returns their records so the caller can unlink files."""
@@ -337,22 +431,18 @@ class Index:
     def _pick_victims(
         self, txn: lmdb.Transaction, excess: int, young_after_ns: int
     ) -> list[ChunkRecord] | None:
-        """Oldest chunks whose sizes cover ``excess`` bytes; None if impossible."""
-        victims: list[ChunkRecord] = []
-        if excess <= 0:
-            return victims
-        for raw, _ in txn.cursor(db=self._lru):
-            last_ns, chunk_id = _LRU_FMT.unpack(raw)
-            if last_ns > young_after_ns:
-                return None  # the rest is younger still: refuse, don't evict hot data
-            record = ChunkRecord.unpack(
-                chunk_id, txn.get(_CID.pack(chunk_id), db=self._chunks) or b""
-            )
-            victims.append(record)
-            excess -= record.size_bytes
-            if excess <= 0:
-                return victims
-        return None
+        """Records of the chunks :func:`.policy.pick_victims` picks from this
+        transaction's LRU; None if they cannot cover ``excess``."""
+        records: dict[int, ChunkRecord] = {}
+
+        def size_of(chunk_id: int) -> int:
+            raw = txn.get(_CID.pack(chunk_id), db=self._chunks) or b""
+            records[chunk_id] = ChunkRecord.unpack(chunk_id, raw)
+            return records[chunk_id].size_bytes
+
+        lru = (_LRU_FMT.unpack(raw) for raw, _ in txn.cursor(db=self._lru))
+        victims = policy.pick_victims(lru, size_of, excess, young_after_ns)
+        return None if victims is None else [records[cid] for cid in victims]
 
     def _unpublish_in(self, txn: lmdb.Transaction, record: ChunkRecord) -> None:
         for row, key in enumerate(record.keys):

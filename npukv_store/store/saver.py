@@ -19,7 +19,7 @@ import os
 import secrets
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -32,25 +32,38 @@ from npukv_store.io.writer import BackgroundWriter, Event, SaveBatch
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store.chunk_writer import publish_image
 from npukv_store.store.directory import HOST
-from npukv_store.store.format import encode_header, layer_checksums
+from npukv_store.store.format import ChunkLayout, encode_header, layer_checksums
+from npukv_store.store.index import ChunkRecord
+from npukv_store.store.publish import Publisher
+from npukv_store.store.touches import TouchRecorder
 
-if TYPE_CHECKING:
-    from npukv_store.store.store import KVStore
+
+@dataclass(frozen=True, slots=True)
+class SaveTarget:
+    """Where a batch goes: what the writer thread needs to publish it. One ring
+    carries the batches of several namespaces (a hybrid model's KV cache
+    groups), so each batch names its own."""
+
+    publisher: Publisher
+    spec: NamespaceSpec
+    fingerprint: bytes
+    touches: TouchRecorder
+
+    @property
+    def namespace(self) -> str:
+        return self.fingerprint.hex()
 
 
 class StagedBatch:
-    """A reserved ring region laid out as one chunk file, being filled.
+    """A reserved ring region laid out as one chunk file (``layout``), being
+    filled: layer ``i``'s rows start at ``layout.layer_offset(i)`` (see
+    docs/format.md)."""
 
-    The data section is layer-major: layer ``i``'s rows start at
-    :meth:`layer_offset` and each row is that layer's ``row_bytes``, parts
-    one after the other (see docs/format.md).
-    """
+    __slots__ = ("batch", "layout")
 
-    __slots__ = ("batch", "data_start")
-
-    def __init__(self, batch: SaveBatch, data_start: int) -> None:
+    def __init__(self, batch: SaveBatch, layout: ChunkLayout) -> None:
         self.batch = batch
-        self.data_start = data_start
+        self.layout = layout
 
     @property
     def image(self) -> np.ndarray:
@@ -60,39 +73,38 @@ class StagedBatch:
     def keys(self) -> tuple[bytes, ...]:
         return self.batch.keys
 
-    def layer_offset(self, spec: NamespaceSpec, layer_index: int) -> int:
-        """Byte offset in :attr:`image` of layer ``layer_index``'s first row."""
-        count = len(self.batch.keys)
-        before = sum(layer.row_bytes for layer in spec.layers[:layer_index])
-        return self.data_start + count * before
+    @property
+    def data_start(self) -> int:
+        return self.layout.data_start
 
 
 class AsyncSaver:
     """The asynchronous save path of one store handle and its siblings (other
     namespaces of the same process, see :meth:`KVStore.sibling`): one ring and
-    one writer thread, each batch published by the handle that reserved it."""
+    one writer thread, each batch published through its own :class:`SaveTarget`."""
 
     def __init__(self, config: StoreConfig, ring_dir: str = "/dev/shm") -> None:
+        self.config = config
         self.ring = StagingRing(config.ring_size, directory=ring_dir)
         self._engine: IOEngine | None = None  # created and used by the writer thread
         self.writer = BackgroundWriter(self.ring, self._publish, self._discard)
 
     def stage(
         self,
-        store: KVStore,
+        target: SaveTarget,
         keys: Sequence[bytes],
         rows: dict[str, np.ndarray],
         fresh: list[int],
         event: Event | None,
     ) -> int:
-        """Stage the ``fresh`` rows of ``store``'s namespace; returns how many
-        were queued (0: dropped)."""
+        """Stage the ``fresh`` rows for ``target``; returns how many were
+        queued (0: dropped)."""
         if not fresh:
             return 0
-        staged = self.reserve(store, tuple(keys[i] for i in fresh))
+        staged = self.reserve(target, tuple(keys[i] for i in fresh))
         if staged is None:
             return 0  # ring full: drop the batch, never wait
-        spec = store.spec
+        spec = target.spec
         native.copy_runs(
             [rows[name] for name in spec.tensor_names()],
             [staged.image],
@@ -102,22 +114,21 @@ class AsyncSaver:
         return len(fresh)
 
     def reserve(
-        self, store: KVStore, batch_keys: tuple[bytes, ...]
+        self, target: SaveTarget, batch_keys: tuple[bytes, ...]
     ) -> StagedBatch | None:
-        """A ring region laid out as the chunk of ``batch_keys`` in ``store``'s
-        namespace, with its header written; the caller fills the data section.
-        None when the ring is full."""
-        spec = store.spec
+        """A ring region laid out as the chunk of ``batch_keys`` for ``target``,
+        with its header written; the caller fills the data section. None when
+        the ring is full."""
         created = time.time_ns()
         header = encode_header(
-            spec,
-            store.namespace,
+            target.spec,
+            target.namespace,
             batch_keys,
             creator=f"{os.getpid()}@{HOST}",
             created_ns=created,
         )
-        count = len(batch_keys)
-        file_bytes = len(header) + count * (spec.block_bytes + 8 * len(spec.layers))
+        layout = ChunkLayout(target.spec, len(batch_keys), len(header))
+        file_bytes = layout.file_size
         region = self.ring.reserve(file_bytes)
         if region is None:
             return None
@@ -130,9 +141,9 @@ class AsyncSaver:
                 batch_keys,
                 secrets.randbits(63) + 1,
                 created,
-                owner=store,
+                owner=(target, layout),
             ),  # fmt: skip
-            len(header),
+            layout,
         )
 
     def submit(self, staged: StagedBatch, event: Event | None) -> None:
@@ -146,56 +157,40 @@ class AsyncSaver:
 
     def _publish(self, batch: SaveBatch) -> None:
         """Writer thread: checksums into the image, write, publish, release keys."""
-        store = _owner(batch)
+        target, layout = _owner(batch)
+        config = self.config
         try:
             if self._engine is None:
-                self._engine = make_engine(
-                    store.config.io_engine, store.config.io_queue_depth
-                )
+                self._engine = make_engine(config.io_engine, config.io_queue_depth)
                 # Pinned once: the writer's O_DIRECT writes all come from the
                 # ring, and pinning its 4 KiB shmem pages per request costs
                 # about 13% of the write time (docs/design.md §12).
                 self._engine.register_buffer(self.ring.data.data)
             padded = None
-            if store.config.direct_io:  # regions are page-aligned and padded
+            if config.direct_io:  # regions are page-aligned and padded
                 padded = self.ring.view(batch.region)[: align_up(batch.image.size)]
             path, size = publish_image(
-                store.dir,
-                store.namespace,
+                target.publisher.dir,
+                target.namespace,
                 batch.chunk_id,
                 batch.image,
                 self._engine,
-                sync=store.config.fsync == "chunk",
+                sync=config.fsync == "chunk",
                 padded=padded,
-                tail_offset=self._table_offset(batch),
-                fill_tail=lambda: self._fill_checksums(batch),
+                tail_offset=layout.checksum_offset,
+                fill_tail=lambda: _fill_checksums(batch.image, layout),
             )
-            store._commit(batch.chunk_id, batch.keys, path, size, batch.created_ns, 0)
+            record = ChunkRecord.new(
+                batch.chunk_id, target.fingerprint, batch.keys, size, batch.created_ns
+            )
+            target.publisher.commit(record, path, touched=target.touches.take())
         finally:
-            store._release_claims(batch.keys)
-
-    def _table_offset(self, batch: SaveBatch) -> int:
-        """Offset of the checksum table: everything before it is final."""
-        return batch.image.size - 8 * len(batch.keys) * len(_owner(batch).spec.layers)
-
-    def _fill_checksums(self, batch: SaveBatch) -> None:
-        """Runs while the data section's first writes are at the disk."""
-        spec = _owner(batch).spec
-        count = len(batch.keys)
-        sums = np.empty((count, len(spec.layers)), dtype="<u8")
-        offset = self._table_offset(batch) - count * spec.block_bytes
-        for col, layer in enumerate(spec.layers):
-            parts = []
-            for part in layer.parts:
-                parts.append(batch.image[offset : offset + count * part.row_bytes])
-                offset += count * part.row_bytes
-            sums[:, col] = layer_checksums(parts, count)
-        batch.image[offset:] = sums.view(np.uint8).reshape(-1)
+            target.publisher.release(batch.keys)
 
     def _discard(self, batch: SaveBatch) -> None:
-        store = _owner(batch)
-        store.counters.add(failed_batches=1)
-        store._release_claims(batch.keys)
+        target, _ = _owner(batch)
+        target.publisher.counters.add(failed_batches=1)
+        target.publisher.release(batch.keys)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return self.writer.flush(timeout_s)
@@ -208,10 +203,26 @@ class AsyncSaver:
         self.ring.close()
 
 
-def _owner(batch: SaveBatch) -> KVStore:
-    store = batch.owner
-    assert store is not None, "every batch is reserved for a store handle"
-    return store  # type: ignore[return-value]
+def _owner(batch: SaveBatch) -> tuple[SaveTarget, ChunkLayout]:
+    owner = batch.owner
+    assert isinstance(owner, tuple), "every batch is reserved with its target"
+    return owner
+
+
+def _fill_checksums(image: np.ndarray, layout: ChunkLayout) -> None:
+    """The checksum table of a filled image; runs while the data section's
+    first writes are at the disk."""
+    count = layout.n_blocks
+    sums = np.empty((count, len(layout.spec.layers)), dtype="<u8")
+    by_layer: dict[int, list[np.ndarray]] = {}
+    for part in layout.parts():
+        begin = layout.data_start + part.begin
+        by_layer.setdefault(part.layer_index, []).append(
+            image[begin : layout.data_start + part.end]
+        )
+    for col, parts in by_layer.items():
+        sums[:, col] = layer_checksums(parts, count)
+    image[layout.checksum_offset :] = sums.view(np.uint8).reshape(-1)
 
 
 def _gather_runs(

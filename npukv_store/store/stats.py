@@ -73,3 +73,6 @@ class StoreStats:
     num_chunks: int
     num_blocks: int
     counters: dict[str, int] = field(default_factory=dict)
+    #: save claims in the directory (every process's): 0 once saves are
+    #: flushed and no claimant died since the last sweep
+    claims_held: int = 0

@@ -37,10 +37,12 @@ from npukv_store.spec import NamespaceSpec
 from npukv_store.store import recovery
 from npukv_store.store.arrays import DestRows, GroupedRows, input_rows, output_rows
 from npukv_store.store.chunk_reader import ChunkReader
-from npukv_store.store.chunk_writer import unlink_quietly, write_chunk
+from npukv_store.store.chunk_writer import write_chunk
+from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.index import ChunkRecord
-from npukv_store.store.saver import AsyncSaver, StagedBatch
+from npukv_store.store.publish import Publisher
+from npukv_store.store.saver import AsyncSaver, SaveTarget, StagedBatch
 from npukv_store.store.stats import PutResult, StoreCounters, StoreStats
 from npukv_store.store.touches import TouchRecorder
 
@@ -70,7 +72,7 @@ class StagedSave:
         """Address of layer ``layer_index``'s first row; rows are that layer's
         ``row_bytes`` apart."""
         base: int = self.image.ctypes.data
-        return base + self.batch.layer_offset(self.spec, layer_index)
+        return base + self.batch.layout.layer_offset(layer_index)
 
 
 class KVStore:
@@ -103,9 +105,7 @@ class KVStore:
             StoreCounters() if _parent is None else _parent.counters
         )
         self._lock = threading.Lock()
-        self._in_flight: set[bytes] = set()
         self._async: AsyncSaver | None = None  # ring + writer, on first put_async
-        self._unlinked: list[int] = []  # evicted chunk files removed by us
         self._reader = ChunkReader(
             self.dir, spec, self.namespace, self.counters,
             verify=config.verify == "always", engine_kind=config.io_engine,
@@ -124,6 +124,10 @@ class KVStore:
             )
             recovery.remove_garbage(self.dir, self.index, self.config.tmp_max_age_s)
             self.dir.ensure_namespace(self.namespace, self.spec.canonical_json())
+            self.claims = ClaimTable(self.dir.claims_path)
+        self.publisher = Publisher(
+            self.dir, self.index, self.claims, self.config, self.counters
+        )
 
     @property
     def _sync(self) -> bool:
@@ -132,7 +136,6 @@ class KVStore:
     def _check_fork(self) -> None:
         if os.getpid() != self._pid:  # LMDB handles must not cross fork()
             self._reader.clear()
-            self._in_flight.clear()
             self.touches.reset_after_fork()
             self._async = None  # the parent's ring and writer thread stay its own
             self._open()
@@ -165,10 +168,9 @@ class KVStore:
                 torch) shaped ``[len(keys), *row_shape]`` of the part's dtype.
 
         Returns:
-            How many rows were stored, skipped (already stored or in flight in
-            this process) or rejected for lack of room. Keys already stored by
-            another process are skipped; two processes racing on one key both
-            write, the first commit wins and the loser's row is dead space.
+            How many rows were stored, skipped (already stored, or claimed by a
+            live process that is writing them: see :mod:`.claims`) or rejected
+            for lack of room.
 
         Raises:
             ValueError: keys or tensors do not match the namespace.
@@ -183,20 +185,9 @@ class KVStore:
             self._release_claims([keys[i] for i in fresh])
 
     def _claim(self, keys: Sequence[bytes]) -> list[int]:
-        """Indices of keys not stored and not in flight; marks them in flight."""
-        locations = self.index.locate(keys)
-        fresh, seen = [], set()
-        with self._lock:
-            for i, key in enumerate(keys):
-                if (
-                    locations[i] is None
-                    and key not in self._in_flight
-                    and key not in seen
-                ):
-                    fresh.append(i)
-                    seen.add(key)
-            self._in_flight.update(seen)
-        return fresh
+        """Indices of keys not stored and not being written by a live process;
+        claims them for this one."""
+        return self.publisher.claim(keys)
 
     def _put_claimed(
         self, keys: Sequence[bytes], rows: dict[str, np.ndarray], fresh: list[int]
@@ -214,60 +205,9 @@ class KVStore:
             self.dir, self.spec, self.namespace, chunk_id, keys, rows,
             created_ns=created, sync=self._sync,
         )  # fmt: skip
-        return self._commit(chunk_id, keys, path, size, created, skipped)
-
-    def _commit(
-        self,
-        chunk_id: int,
-        keys: Sequence[bytes],
-        path: str,
-        size: int,
-        created: int,
-        skipped: int,
-    ) -> PutResult:
-        """Publish a chunk file already in place: index rows (evicting for room),
-        then unlink what lost. Shared by put() and the background writer."""
-        record = ChunkRecord(
-            chunk_id,
-            self.fingerprint,
-            size,
-            len(keys),
-            0,
-            created,
-            created,
-            tuple(keys),
-        )
-        try:
-            result = self.index.commit_chunk(
-                record,
-                capacity_bytes=self.config.capacity,
-                grace_ns=int(self.config.evict_grace_s * 1e9),
-                touched=self.touches.take(),
-                unlinked=self._take_unlinked(),
-            )
-        except BaseException:
-            unlink_quietly(path)
-            raise
-        if result.rejected or result.live_rows == 0:
-            unlink_quietly(path)  # published nothing: no index row points at it
-        for victim in result.victims:
-            unlink_quietly(self.dir.chunk_path(victim.namespace.hex(), victim.chunk_id))
-        with self._lock:  # their tombstones go in the next transaction
-            self._unlinked.extend(victim.chunk_id for victim in result.victims)
-        stored = result.live_rows
-        rejected = len(keys) if result.rejected else 0
-        self.counters.add(
-            puts=1,
-            put_blocks=stored,
-            put_bytes=size if stored else 0,
-            skipped_blocks=skipped + len(keys) - stored - rejected,
-            rejected_blocks=rejected,
-            evicted_chunks=len(result.victims),
-        )
-        return PutResult(
-            stored=stored,
-            skipped=len(keys) - stored - rejected + skipped,
-            rejected=rejected,
+        record = ChunkRecord.new(chunk_id, self.fingerprint, keys, size, created)
+        return self.publisher.commit(
+            record, path, touched=self.touches.take(), skipped=skipped
         )
 
     def put_async(
@@ -294,7 +234,7 @@ class KVStore:
         rows = input_rows(self.spec, keys, tensors)
         fresh = self._claim(keys)
         try:
-            queued = self._saver().stage(self, keys, rows, fresh, event)
+            queued = self._saver().stage(self._target(), keys, rows, fresh, event)
         except BaseException:  # e.g. the ring does not fit: keys must stay savable
             self._release_claims([keys[i] for i in fresh])
             raise
@@ -327,7 +267,7 @@ class KVStore:
         staged = None
         try:
             if fresh:
-                staged = self._saver().reserve(self, batch_keys)
+                staged = self._saver().reserve(self._target(), batch_keys)
         finally:
             if staged is None:
                 self._release_claims(batch_keys)
@@ -408,8 +348,11 @@ class KVStore:
             return self._async
 
     def _release_claims(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            self._in_flight.difference_update(keys)
+        self.publisher.release(keys)
+
+    def _target(self) -> SaveTarget:
+        """What the writer needs to publish a batch of this namespace."""
+        return SaveTarget(self.publisher, self.spec, self.fingerprint, self.touches)
 
     # -- lookup and read -------------------------------------------------------
 
@@ -515,29 +458,9 @@ class KVStore:
         ]
 
     def _quarantine(self, chunk_ids: set[int]) -> None:
-        """Unpublish chunks found corrupt and remove their files, as eviction
-        does: their blocks become misses and are saved again when recomputed."""
-        try:
-            removed = self.index.remove_chunks(chunk_ids)
-        except Exception:
-            logger.warning("could not unpublish corrupt chunks", exc_info=True)
-            return
-        for record in removed:
-            logger.warning(
-                "chunk %016x is corrupt: unpublished, its %d blocks will be "
-                "saved again",
-                record.chunk_id,
-                record.num_rows,
-            )
-            unlink_quietly(self.dir.chunk_path(record.namespace.hex(), record.chunk_id))
-        with self._lock:
-            self._unlinked.extend(record.chunk_id for record in removed)
-        self.counters.add(quarantined_chunks=len(removed))
-
-    def _take_unlinked(self) -> list[int]:
-        with self._lock:
-            unlinked, self._unlinked = self._unlinked, []
-        return unlinked
+        """Chunks found corrupt: moved to quarantine/ and unpublished; their
+        blocks become misses and are saved again when recomputed."""
+        self.publisher.quarantine(chunk_ids)
 
     def flush_touches(self) -> None:
         """Write pending LRU touches to the index now."""
@@ -556,6 +479,7 @@ class KVStore:
             num_chunks=chunks,
             num_blocks=blocks,
             counters=self.counters.snapshot(),
+            claims_held=self.claims.held(),
         )
 
     def check(self, *, verify_data: bool = False, fix: bool = False) -> list[str]:
@@ -584,10 +508,9 @@ class KVStore:
             if self._async is not None:
                 self._async.close()  # drains complete batches into the index
             self.touches.stop()  # after the drain: its commits may evict
-            unlinked = self._take_unlinked()
-            if unlinked:
-                self.index.forget_dead(unlinked)
+            self.publisher.forget_unlinked()
             self._reader.close()
+            self.claims.close()
             self.index.close()
 
     def __enter__(self) -> KVStore:

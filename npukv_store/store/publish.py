@@ -1,0 +1,235 @@
+"""The publisher: the one way chunks enter and leave the index, for the writer
+(``KVStore.put``, the background writer) and for the maintenance job.
+
+Runs in: any process with a store handle; thread-safe.
+
+    claim() / release() - the blocks this process is about to write
+    commit()            - publish a chunk file already in place (evicting for room)
+    replace()           - compaction: a rewritten chunk takes over old chunks' rows
+    evict()             - unpublish the oldest chunks down to a target
+    quarantine()        - move corrupt chunks to quarantine/, then unpublish them
+
+Every index change that unpublishes a chunk goes through :meth:`_transact`:
+the index transaction commits first, then its single cleanup step unlinks the
+files no row points to any more, and their tombstones are dropped in a later
+transaction (diskcache's ``_transact`` has the same shape: clean up only what a
+committed transaction orphaned). A process killed between the commit and the
+unlink leaves a tombstoned file that recovery or ``npukv gc`` removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+from npukv_store.config import StoreConfig
+from npukv_store.store.chunk_writer import unlink_quietly
+from npukv_store.store.claims import ClaimTable
+from npukv_store.store.directory import CacheDir
+from npukv_store.store.index import ChunkRecord, Index
+from npukv_store.store.stats import PutResult, StoreCounters
+
+logger = logging.getLogger(__name__)
+
+
+class Publisher:
+    """Claims, commits and unpublishes for one process's handle on a directory."""
+
+    def __init__(
+        self,
+        cdir: CacheDir,
+        index: Index,
+        claims: ClaimTable,
+        config: StoreConfig,
+        counters: StoreCounters,
+    ) -> None:
+        self.dir = cdir
+        self.index = index
+        self.claims = claims
+        self.config = config
+        self.counters = counters
+        self._lock = threading.Lock()
+        self._unlinked: list[int] = []  # files we removed: tombstones to drop
+
+    # -- claims ------------------------------------------------------------------
+
+    def claim(self, keys: Sequence[bytes]) -> list[int]:
+        """Indices of the ``keys`` to write: not stored, and claimed now by this
+        process (not held by another live writer, nor twice in ``keys``)."""
+        locations = self.index.locate(keys)
+        absent = [i for i, loc in enumerate(locations) if loc is None]
+        if not absent:
+            return []
+        won = self.claims.claim([keys[i] for i in absent])
+        fresh = [i for i, w in zip(absent, won, strict=True) if w]
+        if not fresh:
+            return []
+        # A writer commits, then releases: if its release came between our
+        # locate and our claim, its rows are visible now. Look again.
+        again = self.index.locate([keys[i] for i in fresh])
+        stored = [keys[i] for i, loc in zip(fresh, again, strict=True) if loc]
+        if stored:
+            self.claims.release(stored)
+            fresh = [i for i, loc in zip(fresh, again, strict=True) if loc is None]
+        return fresh
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        """Drop this process's claims on ``keys`` (after the commit, or a drop)."""
+        try:
+            self.claims.release(keys)
+        except Exception:  # a lease: it expires at its deadline anyway
+            logger.warning("could not release %d save claims", len(keys), exc_info=True)
+
+    # -- publishing --------------------------------------------------------------
+
+    def commit(
+        self,
+        record: ChunkRecord,
+        path: str,
+        *,
+        touched: Iterable[bytes] = (),
+        skipped: int = 0,
+    ) -> PutResult:
+        """Publish the chunk file at ``path`` (already renamed into place):
+        index rows for its keys, evicting for room; the file is deleted when it
+        won no row or was rejected. ``skipped`` rows were dropped before the
+        write (counted with the rows that lost)."""
+        grace_ns = int(self.config.evict_grace_s * 1e9)
+        try:
+            with self._transact() as doomed:
+                result = self.index.commit_chunk(
+                    record,
+                    capacity_bytes=self.config.capacity,
+                    grace_ns=grace_ns,
+                    touched=touched,
+                    unlinked=self.take_unlinked(),
+                )
+                doomed.extend(result.victims)
+        except BaseException:
+            unlink_quietly(path)
+            raise
+        if result.rejected or result.live_rows == 0:
+            unlink_quietly(path)  # published nothing: no index row points at it
+        keys = len(record.keys)
+        stored = result.live_rows
+        rejected = keys if result.rejected else 0
+        self.counters.add(
+            puts=1,
+            put_blocks=stored,
+            put_bytes=record.size_bytes if stored else 0,
+            skipped_blocks=skipped + keys - stored - rejected,
+            rejected_blocks=rejected,
+            evicted_chunks=len(result.victims),
+        )
+        return PutResult(
+            stored=stored, skipped=keys - stored - rejected + skipped, rejected=rejected
+        )
+
+    def replace(
+        self,
+        record: ChunkRecord,
+        path: str,
+        sources: Sequence[tuple[int, int]],
+        old_ids: Sequence[int],
+    ) -> tuple[int, list[ChunkRecord]]:
+        """Compaction's commit (see :meth:`Index.replace_chunks`): the new chunk
+        is published and the old ones unpublished in one transaction; the old
+        files are unlinked after it. Returns the rows won and the old records."""
+        try:
+            with self._transact() as doomed:
+                live, removed = self.index.replace_chunks(record, sources, old_ids)
+                doomed.extend(removed)
+        except BaseException:
+            unlink_quietly(path)
+            raise
+        if live == 0:
+            unlink_quietly(path)
+        return live, removed
+
+    def evict(self, excess: int) -> list[ChunkRecord]:
+        """Unpublish the oldest chunks, outside the grace period, until
+        ``excess`` bytes are gone (or nothing old enough is left)."""
+        if excess <= 0:
+            return []
+        young_after = time.time_ns() - int(self.config.evict_grace_s * 1e9)
+        with self._transact() as doomed:
+            victims = self.index.evict(excess, young_after_ns=young_after)
+            doomed.extend(victims)
+        self.counters.add(evicted_chunks=len(victims))
+        return victims
+
+    def quarantine(self, chunk_ids: Iterable[int]) -> list[ChunkRecord]:
+        """Move corrupt chunks to ``quarantine/`` and unpublish them: their
+        blocks become misses (saved again when recomputed) and the files stay
+        for an operator to look at, never deleted silently.
+
+        The file moves first: a reader holding its location then misses, and a
+        kill before the index commit leaves rows whose file is gone, which read
+        as misses until ``npukv verify --fix`` drops them.
+        """
+        chunk_ids = list(chunk_ids)
+        records = [r for r in map(self.index.chunk, chunk_ids) if r is not None]
+        for record in records:
+            self._move_to_quarantine(record)
+        try:
+            removed = self.index.remove_chunks(r.chunk_id for r in records)
+        except Exception:
+            logger.warning("could not unpublish corrupt chunks", exc_info=True)
+            return []
+        with self._lock:  # files gone: their tombstones go next transaction
+            self._unlinked.extend(r.chunk_id for r in removed)
+        for record in removed:
+            logger.warning(
+                "chunk %016x is corrupt: moved to %s, its %d blocks will be "
+                "saved again",
+                record.chunk_id,
+                self.dir.quarantine_dir,
+                record.num_rows,
+            )
+        self.counters.add(quarantined_chunks=len(removed))
+        return removed
+
+    def _move_to_quarantine(self, record: ChunkRecord) -> None:
+        source = self.dir.chunk_path(record.namespace.hex(), record.chunk_id)
+        target = os.path.join(
+            self.dir.quarantine_dir,
+            f"{record.namespace.hex()}-{record.chunk_id:016x}.safetensors",
+        )
+        try:
+            os.makedirs(self.dir.quarantine_dir, exist_ok=True)
+            os.rename(source, target)
+        except FileNotFoundError:
+            pass  # gone already (evicted, or another process moved it)
+        except OSError:
+            logger.warning("could not quarantine %s; deleting it", source)
+            unlink_quietly(source)
+
+    # -- the after-commit step ------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _transact(self) -> Iterator[list[ChunkRecord]]:
+        """Collect the records a transaction unpublishes; once it committed
+        (the body returned), unlink their files and queue their tombstones.
+        Nothing is unlinked when the body raises: nothing was committed."""
+        doomed: list[ChunkRecord] = []
+        yield doomed
+        for record in doomed:
+            unlink_quietly(self.dir.chunk_path(record.namespace.hex(), record.chunk_id))
+        with self._lock:
+            self._unlinked.extend(record.chunk_id for record in doomed)
+
+    def take_unlinked(self) -> list[int]:
+        """Chunk ids whose files this process removed since the last call."""
+        with self._lock:
+            unlinked, self._unlinked = self._unlinked, []
+        return unlinked
+
+    def forget_unlinked(self) -> None:
+        """Drop the tombstones of files removed (at close: no commit follows)."""
+        unlinked = self.take_unlinked()
+        if unlinked:
+            self.index.forget_dead(unlinked)

@@ -1,0 +1,126 @@
+"""The store's policy rules, without LMDB or files: eviction, compaction
+candidates and page-cache admission (npukv_store/store/policy.py)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from npukv_store.store import policy
+from npukv_store.store.policy import ChunkFacts
+
+lru_entries = st.lists(
+    st.tuples(st.integers(0, 10**6), st.integers(1, 10**4)),  # last ns, size
+    max_size=30,
+)
+
+
+@given(entries=lru_entries, excess=st.integers(-10, 10**5), cut=st.integers(0, 10**6))
+def test_victims_are_the_oldest_prefix_that_covers_the_excess(entries, excess, cut):
+    entries = sorted(entries)
+    sizes = {cid: size for cid, (_, size) in enumerate(entries)}
+    lru = [(last, cid) for cid, (last, _) in enumerate(entries)]
+    victims = policy.pick_victims(iter(lru), sizes.__getitem__, excess, cut)
+    # Oracle: the shortest oldest-first prefix of old-enough chunks whose sizes
+    # reach the excess; None if there is none.
+    expected, freed = None, 0
+    if excess <= 0:
+        expected = []
+    else:
+        for n, (last, cid) in enumerate(lru, 1):
+            if last > cut:
+                break
+            freed += sizes[cid]
+            if freed >= excess:
+                expected = [c for _, c in lru[:n]]
+                break
+    assert victims == expected
+
+
+def test_a_young_chunk_stops_eviction_even_if_older_ones_cannot_cover():
+    lru = [(1, 10), (2, 11), (9, 12)]
+    assert policy.pick_victims(iter(lru), lambda c: 5, 12, young_after_ns=5) is None
+    assert policy.pick_victims(iter(lru), lambda c: 5, 10, young_after_ns=5) == [10, 11]
+
+
+def test_victims_read_the_lru_lazily():
+    consumed = []
+
+    def lru():
+        for i in range(100):
+            consumed.append(i)
+            yield (i, i)
+
+    assert policy.pick_victims(lru(), lambda c: 10, 15, young_after_ns=1000) == [0, 1]
+    assert consumed == [0, 1]
+
+
+def test_excess_bytes_over_a_target_fraction():
+    assert policy.excess_bytes(900, 1000, 0.8) == 100
+    assert policy.excess_bytes(700, 1000, 0.8) == -100
+    with pytest.raises(ValueError, match="expected 0..1"):
+        policy.excess_bytes(1, 1, 1.5)
+
+
+def _facts(cid, ns=b"a" * 16, size=1000, rows=10, live=10, created=0):
+    return ChunkFacts(cid, ns, size, rows, live, created, created)
+
+
+facts_lists = st.lists(
+    st.builds(
+        _facts,
+        cid=st.integers(1, 10**9),
+        ns=st.sampled_from([b"a" * 16, b"b" * 16]),
+        size=st.integers(4096, 200_000),
+        rows=st.integers(1, 50),
+        live=st.integers(0, 50),
+        created=st.integers(0, 10**6),
+    ).filter(lambda f: f.live_rows <= f.num_rows),
+    unique_by=lambda f: f.chunk_id,
+    max_size=40,
+)
+
+
+@given(chunks=facts_lists, min_live=st.floats(0, 1))
+def test_rewrite_candidates_are_exactly_those_below_the_live_fraction(chunks, min_live):
+    picked = {c.chunk_id for c in policy.rewrite_candidates(chunks, min_live)}
+    assert picked == {c.chunk_id for c in chunks if c.live_rows / c.num_rows < min_live}
+
+
+@given(chunks=facts_lists, target=st.integers(10_000, 1_000_000))
+def test_merge_groups_stay_in_one_namespace_in_creation_order_within_target(
+    chunks, target
+):
+    groups = policy.merge_groups(chunks, target)
+    seen = [c.chunk_id for g in groups for c in g]
+    assert len(seen) == len(set(seen)), "a chunk in two groups"
+    for group in groups:
+        assert len({c.namespace for c in group}) == 1
+        order = [(c.created_ns, c.chunk_id) for c in group]
+        assert order == sorted(order)
+        assert all(c.size_bytes < target / 2 for c in group)
+        live = sum(c.size_bytes * c.live_rows // c.num_rows for c in group)
+        # only a group's last member may push it past the target
+        assert len(group) == 1 or live - _live(group[-1]) <= target
+        assert len(group) > 1 or group[0].live_rows < group[0].num_rows
+
+
+def _live(c):
+    return c.size_bytes * c.live_rows // c.num_rows
+
+
+def test_merge_groups_leaves_large_and_lone_full_chunks_alone():
+    big = _facts(1, size=900)
+    lone = _facts(2, size=100)
+    assert policy.merge_groups([big, lone], target_bytes=1000) == []
+    pair = [_facts(3, size=100, created=1), _facts(4, size=100, created=2)]
+    assert policy.merge_groups([*pair, big], 1000) == [pair]
+
+
+def test_admission_the_second_read_fills_the_page_cache():
+    assert policy.admit_on_read(read_before=False) is False
+    assert policy.admit_on_read(read_before=True) is True
+    assert policy.read_around_cache(0.0, aligned=True)
+    assert not policy.read_around_cache(0.0, aligned=False)
+    assert not policy.read_around_cache(policy.CACHED_SHARE, aligned=True)
