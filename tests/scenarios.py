@@ -55,7 +55,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -368,10 +368,10 @@ def _mp_worker_loop(
         keys = store.keys_for(_prompt(spec, prefixes, rng))
         hit = store.lookup(keys)
         tally["lookups"] += 1
-        mode = rng.random()
-        if mode < 0.5:  # the connector's path: read what lookup promised
+        pick = rng.random()  # not `mode`: that is the put mode, used below
+        if pick < 0.5:  # the connector's path: read what lookup promised
             read_keys, layers = keys[:hit], None
-        elif mode < 0.75:  # also ask for blocks lookup did not report
+        elif pick < 0.75:  # also ask for blocks lookup did not report
             read_keys, layers = keys, None
         else:  # one layer only, as layerwise loading does
             read_keys, layers = keys, [rng.randrange(len(spec.layers))]
@@ -381,7 +381,7 @@ def _mp_worker_loop(
             problems += verify_read(spec, read_keys, out, ok)
             tally["read_hits"] += sum(ok)
             tally["read_misses"] += len(ok) - sum(ok)
-            if mode < 0.5:  # allowed (evicted in between), but worth counting
+            if pick < 0.5:  # allowed (evicted in between), but worth counting
                 tally["lookup_hit_read_miss"] += len(ok) - sum(ok)
         if hit < len(keys):
             # Mostly the missing tail; sometimes the whole prompt, to take the
@@ -419,9 +419,12 @@ def run_multiprocess(
     seed: int = 0,
     fault_after_s: float | None = None,
     mode: str = "sync",
+    during: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """``workers`` spawned processes put, look up and read one small cache
     (``mode`` "async": puts go through the ring and the background writer).
+    ``during``, if given, is called again and again in the parent while the
+    workers run (the live-compaction test runs the maintenance job there).
 
     Proves: no read returns wrong bytes (hit or miss only); the ledger never
     exceeds capacity by more than one chunk (sampled by every worker after every
@@ -500,6 +503,8 @@ def run_multiprocess(
             # window and victims not yet unlinked.
             disk_max = max(disk_max, chunk_bytes_on_disk(cache_dir))
             samples += 1
+            if during is not None:
+                during()
             _drain(results, reports, errors, timeout=0.005)
             if any(not p.is_alive() and p.exitcode != 0 for p in procs):
                 _drain(results, reports, errors, timeout=1.0)

@@ -197,13 +197,13 @@ def read_ring_header(path: str) -> tuple[int, int]:
     return size, pid
 
 
-def remove_stale_rings(directory: str = "/dev/shm") -> int:
-    """Unlink rings in ``directory`` whose owner is dead; returns how many."""
-    removed = 0
+def stale_rings(directory: str = "/dev/shm") -> list[str]:
+    """Rings in ``directory`` whose owner process is dead."""
     try:
         names = [n for n in os.listdir(directory) if n.startswith(NAME_PREFIX)]
     except FileNotFoundError:
-        return 0
+        return []
+    stale = []
     for name in names:
         path = os.path.join(directory, name)
         try:
@@ -211,8 +211,16 @@ def remove_stale_rings(directory: str = "/dev/shm") -> int:
         except (OSError, BadMagic, VersionMismatch):
             continue  # not ours to judge, or gone already
         if not pid_alive(pid):
-            with contextlib.suppress(FileNotFoundError):  # another cleaner won
-                os.unlink(path)
-            removed += 1
-            logger.info("removed stale staging ring %s of dead pid %d", path, pid)
+            stale.append(path)
+    return stale
+
+
+def remove_stale_rings(directory: str = "/dev/shm") -> int:
+    """Unlink rings in ``directory`` whose owner is dead; returns how many."""
+    removed = 0
+    for path in stale_rings(directory):
+        with contextlib.suppress(FileNotFoundError):  # another cleaner won
+            os.unlink(path)
+        removed += 1
+        logger.info("removed stale staging ring %s of a dead owner", path)
     return removed

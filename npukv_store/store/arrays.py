@@ -74,6 +74,14 @@ def _as_numpy(array: object, name: str) -> tuple[np.ndarray, str, tuple[int, ...
     return array, _NUMPY_CODES.get(array.dtype.name, array.dtype.name), array.shape
 
 
+def empty_rows(part: PartSpec, num_rows: int) -> np.ndarray:
+    """A numpy array ``[num_rows, *part.row_shape]`` that :func:`byte_rows`
+    accepts for ``part`` (same-width unsigned ints for bf16 and fp8)."""
+    code = _BIT_PATTERN_OK.get(part.dtype, part.dtype)
+    dtype = next(name for name, c in _NUMPY_CODES.items() if c == code)
+    return np.empty((num_rows, *part.row_shape), dtype=dtype)
+
+
 def byte_rows(
     array: object, part: PartSpec, num_rows: int, name: str, *, writable: bool = False
 ) -> np.ndarray:

@@ -64,7 +64,7 @@ def check_store(
                 f"chunk {chunk_id:016x}: live_rows {record.live_rows}, "
                 f"{homes[chunk_id]} key rows point to it"
             )
-        problems.extend(_check_chunk_file(cdir, record, verify_data))
+        problems.extend(chunk_file_problems(cdir, record, verify_data))
     for chunk_id in index.dead_chunks():
         if chunk_id in records:
             problems.append(f"chunk {chunk_id:016x} is both published and dead")
@@ -72,9 +72,10 @@ def check_store(
     return problems
 
 
-def _check_chunk_file(
+def chunk_file_problems(
     cdir: CacheDir, record: ChunkRecord, verify_data: bool
 ) -> list[str]:
+    """Invariant 3 (and 6 with ``verify_data``) for one chunk: its problems."""
     path = cdir.chunk_path(record.namespace.hex(), record.chunk_id)
     try:
         fd = os.open(path, os.O_RDONLY)

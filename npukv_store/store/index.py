@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -375,6 +376,20 @@ class Index:
             total = _total(txn, self._meta) - sum(v.size_bytes for v in victims)
             txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
         return victims
+
+    def evict_plan(self, excess: int, grace_s: float) -> list[int]:
+        """The chunk ids :meth:`evict` would remove now (for a dry run)."""
+        young_after = time.time_ns() - int(grace_s * 1e9)
+        with self._env.begin() as txn:
+            lru = (_LRU_FMT.unpack(raw) for raw, _ in txn.cursor(db=self._lru))
+            picked = []
+            for last_ns, chunk_id in lru:
+                if excess <= 0 or last_ns > young_after:
+                    break
+                raw = txn.get(_CID.pack(chunk_id), db=self._chunks) or b""
+                excess -= ChunkRecord.unpack(chunk_id, raw).size_bytes
+                picked.append(chunk_id)
+        return picked
 
     def remove_chunks(self, chunk_ids: Iterable[int]) -> list[ChunkRecord]:
         """Unpublish chunks; returns their records so the caller can unlink files."""

@@ -138,7 +138,7 @@ def scan_orphans(cdir: CacheDir, index: Index, max_age_s: float) -> OrphanScan:
     # A chunk published between our listdir and the index snapshot is not an
     # orphan: look again before anyone deletes it.
     again = {r.chunk_id for r in index.iter_chunks()}
-    removable = [p for p in removable if _chunk_id(p) not in again]
+    removable = [p for p in removable if chunk_id_of(p) not in again]
     return OrphanScan(removable, in_flight)
 
 
@@ -148,6 +148,14 @@ def remove_garbage(cdir: CacheDir, index: Index, max_age_s: float) -> int:
     for path in paths:
         with contextlib.suppress(FileNotFoundError):  # another recoverer was first
             os.unlink(path)
+    forget_gone_tombstones(cdir, index)
+    if paths:
+        logger.info("removed %d crash leftovers from %s", len(paths), cdir.root)
+    return len(paths)
+
+
+def forget_gone_tombstones(cdir: CacheDir, index: Index) -> int:
+    """Drop the tombstones of unpublished chunks whose files are gone."""
     gone = [
         chunk_id
         for chunk_id, ns in index.dead_chunks().items()
@@ -155,12 +163,11 @@ def remove_garbage(cdir: CacheDir, index: Index, max_age_s: float) -> int:
     ]
     if gone:
         index.forget_dead(gone)
-    if paths:
-        logger.info("removed %d crash leftovers from %s", len(paths), cdir.root)
-    return len(paths)
+    return len(gone)
 
 
-def _chunk_id(path: str) -> int:
+def chunk_id_of(path: str) -> int:
+    """The chunk id a chunk file's name carries."""
     return int(os.path.basename(path).split(".")[0], 16)
 
 

@@ -392,7 +392,10 @@ class KVStore:
         return self.read_many([(keys, out)])[0]
 
     def read_many(
-        self, requests: Sequence[tuple[Sequence[bytes], Mapping[str, object]]]
+        self,
+        requests: Sequence[tuple[Sequence[bytes], Mapping[str, object]]],
+        *,
+        touch: bool = True,
     ) -> list[list[bool]]:
         """``read`` of several ``(keys, out)`` requests in one call: each chunk
         file is read once, its rows in file order whichever request they fill.
@@ -401,7 +404,8 @@ class KVStore:
         run's small ranges would each wait for the disk (docs/design.md §19).
 
         Every request must name the same tensors. Returns ``read``'s list per
-        request.
+        request. ``touch=False`` leaves the chunks' LRU recency as it is (the
+        maintenance job's reads are not uses).
         """
         self._check_fork()
         all_keys: list[bytes] = []
@@ -439,7 +443,7 @@ class KVStore:
         chunks = list(by_chunk.items())
         results = self._reader.read_chunks(chunks, all_keys, layers, dest)
         for (chunk_id, _), good in zip(chunks, results, strict=True):
-            if good:
+            if good and touch:
                 self.touches.note_chunk(chunk_id)
             for i in good:
                 ok[i] = True

@@ -1,0 +1,434 @@
+"""The maintenance job: garbage, verification, eviction and compaction of one
+cache directory, safe while servers use it. ``scripts/compact.py`` and
+``npukv compact|gc`` are thin shims over :func:`main`.
+
+Runs in: its own process (cron, a systemd timer, an operator's shell), beside
+live vLLM servers. One run at a time per directory (``maintenance.lock``, an
+flock: a killed run's lock is released by the kernel, so the next run takes it
+over).
+
+Steps, in this order (each also works alone):
+    gc       tmp/ files of dead writers, orphan chunk files, files of unpublished
+             chunks whose unlink never happened, rows whose file is gone,
+             staging rings of dead processes in /dev/shm, dead save claims
+    verify   (``--verify``) read every live block and check its checksums; a bad
+             chunk moves to quarantine/ and its rows are dropped
+    evict    (``--target F``) the oldest chunks, down to F of capacity
+    compact  rewrite chunks whose live fraction is below ``--min-live``, and merge
+             small chunks of one namespace up to ``chunk_target_size``
+
+Compaction publishes like the writer: the new chunk is written to tmp/, fsynced,
+renamed into place, then one index transaction moves the rows to it and
+unpublishes the old chunks; the old files are unlinked only after that commit. A
+reader that located a row in an old chunk reads it from the still-open file or
+finds the file gone (a miss); chunk ids are never reused, so it never reads other
+bytes. A kill at any step leaves what a killed writer leaves (a tmp/ file, an
+orphan, a tombstoned file), which the next run or any opening process removes.
+
+Exit codes: 0 nothing was wrong; 1 problems were found (and fixed, unless
+``--dry-run``); 2 unusable arguments or directory, or another run holds the lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+
+from npukv_store.config import StoreConfig, parse_size
+from npukv_store.errors import ConfigError, NpuKVError
+from npukv_store.io.ring import stale_rings
+from npukv_store.store import compaction, recovery
+from npukv_store.store.check import chunk_file_problems
+from npukv_store.store.claims import ClaimTable
+from npukv_store.store.directory import MARKER, CacheDir
+from npukv_store.store.index import Index
+from npukv_store.store.policy import excess_bytes
+from npukv_store.store.publish import Publisher
+from npukv_store.store.stats import StoreCounters
+
+logger = logging.getLogger("npukv.maintenance")
+#: The index's address space, as every store handle reserves it by default.
+_MAP_SIZE: int = StoreConfig.__dataclass_fields__["index_map_size"].default  # type: ignore[assignment]
+
+
+class MaintenanceBusy(NpuKVError):
+    """Another maintenance run holds the directory's maintenance lock."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What one run does (see the module docstring and ``--help``)."""
+
+    cache_dir: str
+    dry_run: bool = False
+    target: float | None = None
+    min_live: float = 0.5
+    verify: bool = False
+    gc_only: bool = False
+    compact: bool = True  # False: repairs only (npukv verify --fix)
+    rebuild_index: bool = False
+    capacity: int | None = None
+    ring_dir: str = "/dev/shm"
+    grace_s: float | None = None  # None: StoreConfig's evict_grace_s
+    chunk_size: int | None = None  # None: StoreConfig's chunk_target_size
+
+
+@dataclass
+class Summary:
+    """What a run found and did; ``--json`` prints it."""
+
+    chunks_before: int = 0
+    chunks_after: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    rewritten: int = 0  # old chunks whose rows moved to a new chunk
+    written: int = 0  # new chunks compaction wrote
+    evicted: int = 0
+    orphans_removed: int = 0
+    tmp_removed: int = 0
+    tombstones_cleared: int = 0
+    missing_dropped: int = 0
+    rings_removed: int = 0
+    claims_swept: int = 0
+    quarantined: int = 0
+    quarantined_chunks: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    seconds: float = 0.0
+
+    @property
+    def problems(self) -> int:
+        """Crash leftovers and corruption found: what makes the exit code 1."""
+        return (
+            self.orphans_removed + self.tmp_removed + self.tombstones_cleared
+            + self.missing_dropped + self.rings_removed + self.quarantined
+        )  # fmt: skip
+
+
+@contextlib.contextmanager
+def maintenance_lock(cdir: CacheDir) -> Iterator[None]:
+    """Hold the directory's maintenance lock, or raise :class:`MaintenanceBusy`."""
+    fd = os.open(cdir.maintenance_lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise MaintenanceBusy(
+                f"{cdir.maintenance_lock}: held by pid {holder}, expected no other "
+                "maintenance run on this directory"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message above
+        yield
+    finally:
+        os.close(fd)
+
+
+Progress = Callable[[str, int], None]
+
+
+def run(options: Options, progress: Progress | None = None) -> Summary:
+    """One maintenance run over ``options.cache_dir``.
+
+    Args:
+        progress: called as ``progress(step, items)`` when a step starts and
+            ``progress("", 1)`` per item done (the CLI draws a bar from it).
+
+    Raises:
+        ConfigError: the directory is not an npukv cache, or an option is unusable.
+        MaintenanceBusy: another run holds the lock.
+    """
+    started = time.monotonic()
+    cdir = CacheDir(options.cache_dir)
+    if not os.path.isfile(os.path.join(cdir.root, MARKER)):
+        raise ConfigError(
+            f"cache_dir: {cdir.root} has no {MARKER} marker; expected an npukv cache"
+        )
+    cdir.read_marker()
+    summary = Summary(dry_run=options.dry_run)
+    tick = progress or (lambda step, items: None)
+    with maintenance_lock(cdir):
+        with cdir.locked():  # as an opening process: no rebuild runs beside us
+            if options.rebuild_index and not options.dry_run:
+                recovery.rebuild_index(cdir, map_size=_MAP_SIZE, sync=True).close()
+            index = recovery.open_index(cdir, map_size=_MAP_SIZE, sync=True)
+        claims = ClaimTable(cdir.claims_path)
+        try:
+            config = _config(cdir, options, index)
+            publisher = Publisher(cdir, index, claims, config, StoreCounters())
+            total, summary.chunks_before, _ = index.totals()
+            summary.bytes_before = total
+            collect_garbage(cdir, publisher, options, summary)
+            if not options.gc_only:
+                if options.verify:
+                    _verify(cdir, publisher, options, summary, tick)
+                if options.target is not None:
+                    _evict(publisher, config, options, summary)
+                if options.compact:
+                    compaction.compact(
+                        cdir, publisher, config, options.min_live, summary,
+                        dry_run=options.dry_run, tick=tick,
+                    )  # fmt: skip
+            publisher.forget_unlinked()
+            total, summary.chunks_after, _ = index.totals()
+            summary.bytes_after = total
+        finally:
+            claims.close()
+            index.close()
+    summary.seconds = round(time.monotonic() - started, 3)
+    return summary
+
+
+def _config(cdir: CacheDir, options: Options, index: Index) -> StoreConfig:
+    """The settings maintenance works to: the servers' capacity (recorded in the
+    index by their commits) unless ``--capacity`` overrides it."""
+    capacity = options.capacity
+    if capacity is None:
+        capacity = index.recorded_capacity()
+    if capacity is None and options.target is not None:
+        raise ConfigError(
+            "--target: no capacity recorded in the index yet (no server has "
+            "committed a chunk); expected --capacity SIZE"
+        )
+    config = StoreConfig(cache_dir=cdir.root, verify="always")
+    if capacity is not None:
+        config = dataclasses.replace(config, capacity=capacity)
+    if options.grace_s is not None:
+        config = dataclasses.replace(config, evict_grace_s=options.grace_s)
+    if options.chunk_size is not None:
+        config = dataclasses.replace(config, chunk_target_size=options.chunk_size)
+    return config
+
+
+def collect_garbage(
+    cdir: CacheDir, publisher: Publisher, options: Options, summary: Summary
+) -> None:
+    """Remove what crashes leave behind (see the module docstring). Files of live
+    processes stay: they may be a publish in flight."""
+    index = publisher.index
+    max_age = publisher.config.tmp_max_age_s
+    tmp = cdir.garbage_tmp(max_age)
+    dead = index.dead_chunks()
+    scan = recovery.scan_orphans(cdir, index, max_age)
+    tombstoned = [p for p in scan.removable if recovery.chunk_id_of(p) in dead]
+    summary.tmp_removed = len(tmp)
+    summary.orphans_removed = len(scan.removable) - len(tombstoned)
+    summary.tombstones_cleared = len(tombstoned)
+    # Rows whose file is gone: the file is checked first, the index after, as
+    # eviction unpublishes before it unlinks (a chunk evicted meanwhile is not
+    # missing, it is gone).
+    missing = [
+        r.chunk_id
+        for r in index.iter_chunks()
+        if not os.path.exists(cdir.chunk_path(r.namespace.hex(), r.chunk_id))
+        and index.chunk(r.chunk_id) is not None
+    ]
+    summary.missing_dropped = len(missing)
+    rings = stale_rings(options.ring_dir)
+    summary.rings_removed = len(rings)
+    if options.dry_run:
+        return
+    for path in tmp + scan.removable + rings:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    if missing:  # quarantined by a reader killed before its commit, or deleted
+        index.remove_chunks(missing)
+    recovery.forget_gone_tombstones(cdir, index)
+    summary.claims_swept = publisher.claims.sweep()
+
+
+def _verify(
+    cdir: CacheDir,
+    publisher: Publisher,
+    options: Options,
+    summary: Summary,
+    tick: Callable[[str, int], None],
+) -> None:
+    records = list(publisher.index.iter_chunks())
+    tick("verify", len(records))
+    bad = []
+    for record in records:
+        try:
+            problems = chunk_file_problems(cdir, record, verify_data=True)
+        except OSError as exc:  # EIO: the file is as bad as a wrong checksum
+            problems = [f"{exc}"]
+        if problems and publisher.index.chunk(record.chunk_id) is not None:
+            bad.append(record.chunk_id)
+            summary.quarantined_chunks.append(
+                f"{record.namespace.hex()}/{record.chunk_id:016x}: {problems[0]}"
+            )
+            logger.warning("bad chunk %s", summary.quarantined_chunks[-1])
+        tick("", 1)
+    summary.quarantined = len(bad)
+    if bad and not options.dry_run:
+        publisher.quarantine(bad)
+
+
+def _evict(
+    publisher: Publisher, config: StoreConfig, options: Options, summary: Summary
+) -> None:
+    assert options.target is not None
+    total, _, _ = publisher.index.totals()
+    excess = excess_bytes(total, config.capacity, options.target)
+    if excess <= 0:
+        return
+    if options.dry_run:
+        plan = publisher.index.evict_plan(excess, config.evict_grace_s)
+        summary.evicted = len(plan)
+        return
+    summary.evicted = len(publisher.evict(excess))
+
+
+# -- the command line ---------------------------------------------------------------
+
+
+def build_parser(prog: str = "compact.py") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Maintain an npukv cache directory while servers use it: "
+        "remove crash leftovers, optionally verify every block and evict down to "
+        "a target, then compact.",
+        epilog="exit codes: 0 nothing was wrong; 1 problems were found (and "
+        "fixed unless --dry-run); 2 unusable arguments or directory, or another "
+        "maintenance run holds the lock",
+    )
+    parser.add_argument("cache_dir", help="the cache directory (with its marker)")
+    parser.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    parser.add_argument(
+        "--target", type=_fraction, metavar="FRACTION",
+        help="evict the oldest chunks down to FRACTION of capacity (0..1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--min-live", type=_fraction, default=0.5, metavar="FRACTION",
+        help="rewrite chunks whose live fraction is below this (default 0.5)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--capacity", type=_size, metavar="SIZE",
+        help="capacity to evict against (default: the servers', from the index)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--verify", action="store_true",
+        help="read every live block, check its checksums, quarantine bad chunks",
+    )  # fmt: skip
+    parser.add_argument("--gc-only", action="store_true", help="the garbage step alone")
+    parser.add_argument(
+        "--rebuild-index", action="store_true",
+        help="rebuild the index from the chunk files first",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chunk-size", type=_size, metavar="SIZE",
+        help="merge small chunks up to this (default 64MiB, the servers' "
+        "chunk_target_size)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--grace", type=float, metavar="SECONDS",
+        help="spare chunks used this recently from eviction (default 5, the "
+        "servers' evict_grace_s)",
+    )  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print one JSON summary")
+    parser.add_argument(
+        "--ring-dir", default="/dev/shm", help="where staging rings live (/dev/shm)"
+    )
+    return parser
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"found {text!r}, expected a fraction 0..1")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, key="size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "compact.py") -> int:
+    """Run the job from the command line; returns the exit code."""
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse printed one usage line
+        return 0 if exc.code == 0 else 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    options = Options(
+        cache_dir=args.cache_dir, dry_run=args.dry_run, target=args.target,
+        min_live=args.min_live, verify=args.verify, gc_only=args.gc_only,
+        rebuild_index=args.rebuild_index, capacity=args.capacity,
+        ring_dir=args.ring_dir, grace_s=args.grace, chunk_size=args.chunk_size,
+    )  # fmt: skip
+    try:
+        with _progress(enabled=not args.json) as progress:
+            summary = run(options, progress)
+    except (NpuKVError, OSError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(asdict(summary) | {"problems": summary.problems}))
+    else:
+        _print_summary(summary)
+    return 1 if summary.problems else 0
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[str, int], None]]:
+    """A tqdm bar per step on a terminal; plain log lines otherwise."""
+    bar = None
+    tty = enabled and sys.stderr.isatty()
+
+    def update(step: str, items: int) -> None:
+        nonlocal bar
+        if step:
+            if bar is not None:
+                bar.close()
+                bar = None
+            if tty:
+                from tqdm import tqdm
+
+                bar = tqdm(total=items, desc=step, unit="chunk", file=sys.stderr)
+            elif enabled:
+                logger.info("%s: %d items", step, items)
+        elif bar is not None:
+            bar.update(items)
+
+    try:
+        yield update
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _print_summary(summary: Summary) -> None:
+    verb = "would " if summary.dry_run else ""
+    print(
+        f"chunks {summary.chunks_before} -> {summary.chunks_after}, bytes "
+        f"{summary.bytes_before} -> {summary.bytes_after} in {summary.seconds} s"
+    )
+    print(
+        f"{verb}rewrite {summary.rewritten} chunks into {summary.written}, "
+        f"{verb}evict {summary.evicted}; {verb}remove {summary.orphans_removed} "
+        f"orphans, {summary.tmp_removed} tmp files, {summary.tombstones_cleared} "
+        f"unlinked-late files, {summary.rings_removed} stale rings, drop "
+        f"{summary.missing_dropped} rows of missing files; quarantine "
+        f"{summary.quarantined}"
+    )
+    for line in summary.quarantined_chunks:
+        print(f"quarantined {line}")
+
+
+__all__ = ["MaintenanceBusy", "Options", "Summary", "main", "run"]
