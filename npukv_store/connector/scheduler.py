@@ -21,6 +21,7 @@ effort: an exception is logged once and reads as "no hit" / "no save".
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,7 +85,11 @@ class SchedulerSide:
         self.load_async = self.engine.hybrid
         # One handle suffices: the index is shared by every namespace, and keys
         # of different namespaces never collide (they are seeded by it).
-        self.store = KVStore(settings, self.engine.specs[0][0])
+        try:
+            self.store = KVStore(settings, self.engine.specs[0][0])
+        except Exception as exc:  # an unusable cache directory: serve without us
+            self.disable(unusable_cache_dir(settings.cache_dir, exc), logging.ERROR)
+            return
         self.hint_readahead = _workers_load_layerwise(vllm_config, settings)
         self.loads_on = self._loads_allowed(vllm_config)
 
@@ -384,6 +389,20 @@ def _transfer(
         group=group,
         asynchronous=asynchronous,
     )
+
+
+def unusable_cache_dir(cache_dir: str, exc: BaseException) -> str:
+    """One line saying why the store could not be opened in ``cache_dir``
+    (read-only, not a directory, foreign files, another format version, ...):
+    the connector then turns off and vLLM serves on, as for an unsupported
+    setup. Bad configuration values never get here: they stop start-up in
+    StoreConfig, before any store is opened."""
+    path = os.path.abspath(cache_dir)
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"cache_dir {path}: {exc.strerror}{where}; expected a writable directory"
+    found = str(exc).removeprefix("cache_dir: ") or type(exc).__name__
+    return f"cache_dir {path}: {found}"
 
 
 def _workers_load_layerwise(vllm_config: Any, settings: StoreConfig) -> bool:

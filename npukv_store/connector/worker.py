@@ -46,6 +46,7 @@ from npukv_store.connector.namespace import (
     model_order,
 )
 from npukv_store.connector.saves import StepSaver
+from npukv_store.connector.scheduler import unusable_cache_dir
 from npukv_store.connector.stats import NPUKVStats
 from npukv_store.errors import ConfigError, UnsupportedSetup
 from npukv_store.layout import LayoutError, page_layout
@@ -107,6 +108,11 @@ class WorkerSide:
             return
         try:
             self._register(kv_caches)
+        except _UnusableCacheDir as exc:
+            # The scheduler, which opens the same directory, says so in the
+            # log; a worker alone failing shows there too, from this reason in
+            # the worker metadata (update_connector_output).
+            self.disabled_reason = str(exc)
         except (ConfigError, LayoutError) as exc:
             self.disable(str(exc))
         except Exception as exc:
@@ -134,7 +140,12 @@ class WorkerSide:
             self.layer_index[name] = len(self.layers)
             self.layers.append(LoadLayer(f"{name}.{PAGE_PART}", layout, group))
             self._layer_pos.append(pos)
-        first = KVStore(self.settings, self.specs[0])
+        try:
+            first = KVStore(self.settings, self.specs[0])
+        except Exception as exc:
+            raise _UnusableCacheDir(
+                unusable_cache_dir(self.settings.cache_dir, exc)
+            ) from exc
         self.stores = [first] + [first.sibling(spec) for spec in self.specs[1:]]
         first.prepare_async()
         ring = first.ring_buffer()
@@ -414,6 +425,10 @@ class WorkerSide:
         if what not in self._warned:
             self._warned.add(what)
             logger.warning("npukv_store: %s", message, exc_info=True)
+
+
+class _UnusableCacheDir(Exception):
+    """The store could not be opened in cache_dir (see unusable_cache_dir)."""
 
 
 def _first_tensor(kv_caches: dict[str, Any]) -> Any:

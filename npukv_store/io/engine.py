@@ -5,7 +5,8 @@ Runs in: any process; one engine per user (not shared between threads).
     IORequest   - one read or write: an fd, an offset and a buffer
     Completion  - its tag and the bytes moved, or -errno
     IOEngine    - submit() / reap(); stream() and run() keep queue_depth in flight
-    make_engine - "auto" | "uring" | "threads"
+    make_engine - "auto" | "uring" | "threads"; with NPUKV_FAULTS set (tests
+                  only, off by default) wrapped in io/faults.py's FaultyEngine
 
 The engine never retries: a short read (EOF) or short write comes back as the
 byte count it was, an error as ``-errno``. Callers decide what that means; the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -134,11 +136,21 @@ def _construct(kind: str, queue_depth: int) -> IOEngine:
 
 def make_engine(kind: str = "auto", queue_depth: int = 16) -> IOEngine:
     """An engine of ``kind``; "auto" prefers io_uring and falls back to threads
-    with one info line.
+    with one info line. Where the environment sets ``NPUKV_FAULTS`` (the fault
+    tests, docs/faults.md), the engine is wrapped to fail the requests it names.
 
     Raises:
         ConfigError: an unknown kind, or "uring" where it cannot start here.
     """
+    engine = _make_engine(kind, queue_depth)
+    if os.environ.get("NPUKV_FAULTS"):  # tests only; unset costs this lookup
+        from npukv_store.io.faults import wrap_from_env
+
+        return wrap_from_env(engine)
+    return engine
+
+
+def _make_engine(kind: str, queue_depth: int) -> IOEngine:
     if kind not in ("auto", *_BACKENDS):
         raise ConfigError(
             f"io_engine: found {kind!r}, expected auto, {', '.join(_BACKENDS)}"
