@@ -145,10 +145,13 @@ class BackgroundWriter:
             if batch.event is not None:
                 batch.event.synchronize()
             self._publish(batch)
-        except Exception:  # one lost batch; the writer and the server go on
+        except Exception as exc:  # one lost batch; the writer and the server go on
+            # An I/O failure (a full disk) is one line per batch; anything else
+            # is a bug and keeps its traceback.
             logger.warning(
-                "save batch of chunk %016x failed", batch.chunk_id, exc_info=True
-            )
+                "save batch of chunk %016x failed: %s; dropped",
+                batch.chunk_id, exc, exc_info=not isinstance(exc, OSError),
+            )  # fmt: skip
             self._discard(batch)
         finally:
             self._ring.release(batch.region)

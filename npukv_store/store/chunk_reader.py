@@ -121,6 +121,7 @@ class ChunkReader:
         self._verify_pool: ThreadPoolExecutor | None = None
         self._chunk_pool: ThreadPoolExecutor | None = None
         self._corrupt: set[int] = set()  # chunk ids found corrupt, for the store
+        self._missing: set[int] = set()  # chunk ids whose file was gone
         self._read_before: OrderedDict[int, None] = OrderedDict()
 
     def take_corrupt(self) -> set[int]:
@@ -129,6 +130,12 @@ class ChunkReader:
         with self._lock:
             corrupt, self._corrupt = self._corrupt, set()
         return corrupt
+
+    def take_missing(self) -> set[int]:
+        """Chunk ids whose file was not found since the last call."""
+        with self._lock:
+            missing, self._missing = self._missing, set()
+        return missing
 
     def _first_read(self, chunk_id: int) -> bool:
         """True the first time this reader reads ``chunk_id`` (recently); a
@@ -232,8 +239,15 @@ class ChunkReader:
         path = self._dir.chunk_path(self._namespace, chunk_id)
         try:
             fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            # Evicted since the lookup (then the index no longer has it), or
+            # deleted under the index: the store checks which (take_missing).
+            with self._lock:
+                self._missing.add(chunk_id)
+            return []
         except OSError:
-            return []  # evicted since the lookup, or unreadable: a miss
+            self._counters.add(read_errors=1)
+            return []  # unreadable: a miss
         direct = self._direct and self._first_read(chunk_id)
         # Reads around the cache: no readahead, or the header read would pull
         # megabytes of the data section into the cache (read_ahead_kb) and
@@ -251,13 +265,13 @@ class ChunkReader:
                     if r < header.num_blocks and header.keys[r] == keys[i]
                 ]
             )
-            good = self._read_layers(files, header, rows, layers, dest)
-            if len(good) < len(rows.items):
+            good, corrupt = self._read_layers(files, header, rows, layers, dest)
+            if corrupt:  # not for I/O errors: a transient EIO is no evidence
                 self._mark_corrupt(chunk_id)
             return good
-        except OSError:
+        except OSError as exc:
             self._counters.add(read_errors=1)
-            logger.warning("read of chunk %s failed", path, exc_info=True)
+            logger.warning("read of chunk %s failed: %s; a miss", path, exc)
             return []
         finally:
             files.close()
@@ -269,8 +283,12 @@ class ChunkReader:
         rows: _ChunkRows,
         layers: list[int],
         dest: dict[str, DestRows],
-    ) -> list[int]:
-        """Read and verify every requested layer. Layers wholly in the page
+    ) -> tuple[list[int], bool]:
+        """Read and verify every requested layer; returns the verified key
+        indices, and whether some row is corrupt (a checksum mismatch or a
+        short read; rows whose read failed with an error are misses only).
+
+        Layers wholly in the page
         cache are read and hashed in one pass on the verifier threads; other
         layers read buffered in large segments are streamed in file order by
         one thread; the rest (O_DIRECT where ``files`` picks it) go through the engine,
@@ -284,6 +302,7 @@ class ChunkReader:
             np.zeros(sum(map(len, plans))) if found_shares is None else found_shares
         )
         sums = header.checksums
+        io_failed: set[int] = set()  # rows whose read failed: not corrupt
         checks = []
         owners: list[tuple[int, Segment]] = []  # request tag -> (layer pos, segment)
         owner_shares: list[float] = []
@@ -322,6 +341,8 @@ class ChunkReader:
                     dest,
                     sums,
                     "cached_read_bytes",
+                    False,
+                    io_failed,
                 )
             )
         fds = files.pick(
@@ -355,7 +376,7 @@ class ChunkReader:
             fds = [fds[i] for i in kept]
         stream_task = (
             files.fd, header, rows, [layers[p] for p in streamed], dest, sums,
-            "streamed_read_bytes", True,
+            "streamed_read_bytes", True, io_failed,
         )  # fmt: skip
         if streamed and owners:  # the engine reads the rest meanwhile
             checks.append(
@@ -390,8 +411,16 @@ class ChunkReader:
                 failed |= self._read_buffered_layers(*stream_task)
             for done in self._engine().stream(requests):
                 moved = done.result  # bytes, filling the group's segments in order
+                if moved < 0:  # -errno: the rows miss, the file is no suspect
+                    self._counters.add(read_errors=1)
+                    logger.warning(
+                        "read of %s failed: %s; a miss",
+                        header.path, os.strerror(-moved),
+                    )  # fmt: skip
                 for index in groups[done.tag]:
                     pos, (_, first, count, buffer) = owners[index]
+                    if done.result < 0:
+                        io_failed.update(range(first, first + count))
                     if moved < buffer.nbytes:  # short read (truncated file) or -errno
                         failed.update(range(first, first + count))
                     moved -= buffer.nbytes
@@ -402,8 +431,14 @@ class ChunkReader:
                         # checksum.
                         checks.append(
                             self._verifier().submit(
-                                self._bad_rows, header, rows, layers[pos], dest, sums
-                            )
+                                self._bad_rows,
+                                header,
+                                rows,
+                                layers[pos],
+                                dest,
+                                sums,
+                                frozenset(io_failed),
+                            )  # fmt: skip
                         )
         finally:
             # the cached layers' reads write into ``dest``: never leave one
@@ -411,7 +446,8 @@ class ChunkReader:
             wait(checks)
         for bad in _all_results(checks):
             failed |= bad
-        return [i for i, _ in rows.items if i not in failed]
+        good = [i for i, _ in rows.items if i not in failed]
+        return good, bool(failed - io_failed)
 
     def _verifier(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -453,14 +489,16 @@ class ChunkReader:
         li: int,
         dest: dict[str, DestRows],
         sums: np.ndarray,
+        skip: frozenset[int] = frozenset(),
     ) -> set[int]:
         """Key indices whose layer ``li`` does not match its checksum: one
-        checksum call per run of consecutive rows (GIL-free when native)."""
+        checksum call per run of consecutive rows (GIL-free when native).
+        Rows in ``skip`` failed to read: they are not compared."""
         arrays = [dest[entry.name] for entry in header.layers[li]]
         bad: set[int] = set()
         for first, row, count in rows.runs:
             found = layer_checksums([a[first : first + count] for a in arrays], count)
-            self._compare(header, li, first, row, found, sums, bad)
+            self._compare(header, li, first, row, found, sums, bad, skip=skip)
         return bad
 
     def _read_buffered_layers(
@@ -473,12 +511,14 @@ class ChunkReader:
         sums: np.ndarray,
         counter: str,
         file_order: bool = False,
+        io_failed: set[int] | None = None,
     ) -> set[int]:
         """Read the layers buffered (from the page cache, or through it) and
         verify them in the same pass: one native call per run of rows for all
         the layers (each 256 KiB piece hashed while in cache; the checksums
         are compared only when this reader verifies). Their bytes count in
-        ``counter``; returns the key indices that failed.
+        ``counter``; returns the key indices that failed (those whose read
+        failed are also added to ``io_failed``).
 
         ``file_order`` (streaming, ``layer_indices`` in file order): the reads
         never go back in the file, so the kernel's readahead stays ahead of
@@ -506,13 +546,18 @@ class ChunkReader:
             ]
             try:
                 found = native.pread_layers_xxh3(fd, layer_parts, count)
-            except OSError:
+            except OSError as exc:
                 self._counters.add(read_errors=1)
                 logger.warning(
-                    "read of %s rows %d+%d layers %s failed: a miss",
-                    header.path, row, count, group, exc_info=True,
+                    "read of %s rows %d+%d layers %s failed: %s; a miss",
+                    header.path, row, count, group, exc,
                 )  # fmt: skip
                 bad.update(range(low, low + count))
+                # The native call says EIO for a short read too: a file now
+                # shorter than its header says is corrupt, anything else an
+                # I/O error that may pass.
+                if io_failed is not None and os.fstat(fd).st_size >= header.file_size:
+                    io_failed.update(range(low, low + count))
                 continue
             moved = sum(part.nbytes for parts in layer_parts for _, part, _ in parts)
             self._counters.add(**{counter: moved})
@@ -531,11 +576,14 @@ class ChunkReader:
         sums: np.ndarray,
         bad: set[int],
         step: int = 1,
+        skip: frozenset[int] = frozenset(),
     ) -> None:
         """Add to ``bad`` the key indices (``first``, then ``step`` apart) whose
         checksums ``found`` (rows from ``row`` of layer ``li``) differ from the
         table."""
         wrong = np.nonzero(found != sums[row : row + len(found), li])[0]
+        if skip:
+            wrong = wrong[[first + step * o not in skip for o in wrong.tolist()]]
         for offset in wrong.tolist():
             bad.add(first + step * offset)
             logger.warning(
@@ -555,9 +603,9 @@ class ChunkReader:
                 return header
         try:
             header = parse_header(fd, path, namespace=self._namespace, spec=self._spec)
-        except FormatError:
+        except FormatError as exc:
             self._counters.add(read_errors=1)
-            logger.warning("bad chunk %s: treated as a miss", path, exc_info=True)
+            logger.warning("bad chunk, treated as a miss: %s", exc)
             self._mark_corrupt(chunk_id)
             return None
         self._cache_header(chunk_id, header)

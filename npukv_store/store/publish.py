@@ -20,11 +20,14 @@ unlink leaves a tombstoned file that recovery or ``npukv gc`` removes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+
+import lmdb
 
 from npukv_store.config import StoreConfig
 from npukv_store.store.chunk_writer import unlink_quietly
@@ -64,7 +67,10 @@ class Publisher:
         absent = [i for i, loc in enumerate(locations) if loc is None]
         if not absent:
             return []
-        won = self.claims.claim([keys[i] for i in absent])
+        try:
+            won = self.claims.claim([keys[i] for i in absent])
+        except lmdb.Error as exc:  # the disk is full, mostly: as a write would fail
+            raise _as_oserror(exc, self.claims.path) from None
         fresh = [i for i, w in zip(absent, won, strict=True) if w]
         if not fresh:
             return []
@@ -81,8 +87,8 @@ class Publisher:
         """Drop this process's claims on ``keys`` (after the commit, or a drop)."""
         try:
             self.claims.release(keys)
-        except Exception:  # a lease: it expires at its deadline anyway
-            logger.warning("could not release %d save claims", len(keys), exc_info=True)
+        except Exception as exc:  # a lease: it expires at its deadline anyway
+            logger.warning("could not release %d save claims: %s", len(keys), exc)
 
     # -- publishing --------------------------------------------------------------
 
@@ -100,7 +106,7 @@ class Publisher:
         write (counted with the rows that lost)."""
         grace_ns = int(self.config.evict_grace_s * 1e9)
         try:
-            with self._transact() as doomed:
+            with self._transact() as doomed, _lmdb_errors(self.index.path):
                 result = self.index.commit_chunk(
                     record,
                     capacity_bytes=self.config.capacity,
@@ -162,6 +168,38 @@ class Publisher:
         self.counters.add(evicted_chunks=len(victims))
         return victims
 
+    def drop_missing(self, chunk_ids: Iterable[int]) -> list[ChunkRecord]:
+        """Unpublish chunks whose file a reader did not find, if the index still
+        has them and the file is still gone (eviction unpublishes before it
+        unlinks, so that is a file deleted under the index). Without this,
+        their blocks would be claimed by every lookup, missed by every load,
+        and never saved again."""
+        gone = [
+            record.chunk_id
+            for record in map(self.index.chunk, chunk_ids)
+            if record is not None
+            and not os.path.exists(
+                self.dir.chunk_path(record.namespace.hex(), record.chunk_id)
+            )
+        ]
+        if not gone:
+            return []
+        try:
+            removed = self.index.remove_chunks(gone)
+        except Exception as exc:
+            logger.warning("could not unpublish chunks with no file: %s", exc)
+            return []
+        with self._lock:  # no file to unlink: the tombstones can go
+            self._unlinked.extend(r.chunk_id for r in removed)
+        for record in removed:
+            logger.warning(
+                "chunk %016x has no file: unpublished, its %d blocks will be "
+                "saved again",
+                record.chunk_id,
+                record.num_rows,
+            )
+        return removed
+
     def quarantine(self, chunk_ids: Iterable[int]) -> list[ChunkRecord]:
         """Move corrupt chunks to ``quarantine/`` and unpublish them: their
         blocks become misses (saved again when recomputed) and the files stay
@@ -177,8 +215,8 @@ class Publisher:
             self._move_to_quarantine(record)
         try:
             removed = self.index.remove_chunks(r.chunk_id for r in records)
-        except Exception:
-            logger.warning("could not unpublish corrupt chunks", exc_info=True)
+        except Exception as exc:
+            logger.warning("could not unpublish corrupt chunks: %s", exc)
             return []
         with self._lock:  # files gone: their tombstones go next transaction
             self._unlinked.extend(r.chunk_id for r in removed)
@@ -233,3 +271,20 @@ class Publisher:
         unlinked = self.take_unlinked()
         if unlinked:
             self.index.forget_dead(unlinked)
+
+
+@contextlib.contextmanager
+def _lmdb_errors(path: str) -> Iterator[None]:
+    """LMDB's own errors as the OSError callers are documented to get."""
+    try:
+        yield
+    except lmdb.Error as exc:
+        raise _as_oserror(exc, path) from None
+
+
+def _as_oserror(exc: lmdb.Error, path: str) -> OSError:
+    """An OSError for an LMDB failure: ENOSPC for a full disk or map, else EIO,
+    naming the environment and LMDB's reason."""
+    full = isinstance(exc, lmdb.DiskError | lmdb.MapFullError) or "No space" in str(exc)
+    code = errno.ENOSPC if full else errno.EIO
+    return OSError(code, f"{os.strerror(code)}: LMDB {path}: {exc}")

@@ -49,10 +49,8 @@ def open_index(cdir: CacheDir, *, map_size: int, sync: bool) -> Index:
     if not missing:
         try:
             return Index(cdir.index_path, map_size=map_size, sync=sync)
-        except FormatError:
-            logger.warning(
-                "index %s unreadable; rebuilding", cdir.index_path, exc_info=True
-            )
+        except FormatError as exc:
+            logger.warning("index unreadable (%s); rebuilding it", exc)
     elif cdir.namespaces():
         logger.warning("index %s missing; rebuilding from chunk files", cdir.index_path)
     return rebuild_index(cdir, map_size=map_size, sync=sync)
@@ -91,8 +89,8 @@ def _record_from_file(namespace: str, chunk_id: int, path: str) -> ChunkRecord |
         return None
     try:
         header = parse_header(fd, path, namespace=namespace)
-    except FormatError:
-        logger.warning("deleting unreadable chunk %s", path, exc_info=True)
+    except FormatError as exc:
+        logger.warning("deleting unreadable chunk %s: %s", path, exc)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return None

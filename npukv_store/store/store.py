@@ -232,7 +232,11 @@ class KVStore:
         """
         self._check_fork()
         rows = input_rows(self.spec, keys, tensors)
-        fresh = self._claim(keys)
+        try:
+            fresh = self._claim(keys)
+        except OSError as exc:  # no room for the claims: the save is dropped
+            self._drop_unclaimed(len(keys), exc)
+            return PutResult(stored=0, skipped=0, rejected=0, dropped=len(keys))
         try:
             queued = self._saver().stage(self._target(), keys, rows, fresh, event)
         except BaseException:  # e.g. the ring does not fit: keys must stay savable
@@ -261,7 +265,11 @@ class KVStore:
             :meth:`commit_save` or :meth:`abort_save` it exactly once.
         """
         self._check_fork()
-        fresh = self._claim(keys)
+        try:
+            fresh = self._claim(keys)
+        except OSError as exc:  # no room for the claims: the save is dropped
+            self._drop_unclaimed(len(keys), exc)
+            return None
         skipped = len(keys) - len(fresh)
         batch_keys = tuple(keys[i] for i in fresh)
         staged = None
@@ -346,6 +354,10 @@ class KVStore:
             if self._async is None:
                 self._async = AsyncSaver(self.config)
             return self._async
+
+    def _drop_unclaimed(self, count: int, exc: OSError) -> None:
+        self.counters.add(dropped_blocks=count, failed_batches=1)
+        logger.warning("save of %d blocks dropped: %s", count, exc)
 
     def _release_claims(self, keys: Sequence[bytes]) -> None:
         self.publisher.release(keys)
@@ -450,6 +462,9 @@ class KVStore:
         corrupt = self._reader.take_corrupt()
         if corrupt:
             self._quarantine(corrupt)
+        missing = self._reader.take_missing()
+        if missing:
+            self.publisher.drop_missing(missing)
         hits = sum(ok)
         self.counters.add(
             read_blocks=hits,

@@ -79,8 +79,8 @@ class TouchRecorder:
         if chunk_ids:
             try:
                 self._index().touch(chunk_ids, time.time_ns())
-            except Exception:  # a cache hint: losing it only ages the chunk
-                logger.warning("LRU touch failed", exc_info=True)
+            except Exception as exc:  # a cache hint: losing it only ages the chunk
+                logger.warning("LRU touch failed: %s", exc)
 
     def stop(self) -> None:
         """Stop the flush thread (waiting for a flush in progress), then flush."""

@@ -71,11 +71,6 @@ def test_short_read_is_a_miss(fault, tmp_path, monkeypatch):
     _read_fault_trials(fault, tmp_path, monkeypatch, "read:short")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="store: an engine read error (-EIO) is verified as data and the "
-    "sound chunk quarantined (chunk_reader._read_layers); asked of the lead",
-)
 @pytest.mark.fault("read-eio-transient")
 def test_transient_read_error_loses_nothing(fault, tmp_path, monkeypatch):
     """An I/O error that passes is not corruption: once the disk answers
@@ -148,13 +143,6 @@ def test_chunk_deleted_between_lookup_and_read(fault, tmp_path):
             chunks[victim] = (helpers.put_chunk(store, fresh), fresh)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="store: a read that finds an indexed chunk's file gone leaves the "
-    "index pointing at it (chunk_reader.read_rows returns a miss, nothing "
-    "unpublishes it): every lookup claims the blocks, every load fails, and "
-    "put skips them as stored; asked of the lead",
-)
 @pytest.mark.fault("chunk-file-lost")
 def test_blocks_of_a_lost_chunk_file_are_saved_again(fault, tmp_path):
     cfg = config(tmp_path / "cache")

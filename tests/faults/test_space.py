@@ -103,21 +103,11 @@ def _full_tmpfs_trials(fault, tmp_path, asynchronous: bool) -> None:
 #: Where the disk fills first decides: the save claims' LMDB (store/claims.py)
 #: raises lmdb.DiskError out of put()/put_async() when its commit finds no
 #: space; the chunk write raises OSError (put) or is counted (put_async).
-CLAIMS_ENOSPC = pytest.mark.xfail(
-    strict=False,
-    reason="store: ClaimTable.claim raises lmdb.DiskError into put/put_async on "
-    "a full disk (expected OSError from put, a counted drop from put_async); "
-    "asked of the lead",
-)
-
-
-@CLAIMS_ENOSPC
 @pytest.mark.fault("enospc-tmpfs-put")
 def test_full_disk_sync_put(fault, tmp_path):
     _full_tmpfs_trials(fault, tmp_path, asynchronous=False)
 
 
-@CLAIMS_ENOSPC
 @pytest.mark.fault("enospc-tmpfs-save")
 def test_full_disk_async_save(fault, tmp_path):
     _full_tmpfs_trials(fault, tmp_path, asynchronous=True)
