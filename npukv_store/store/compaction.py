@@ -37,7 +37,6 @@ from npukv_store.store.chunk_writer import write_chunk
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import MAX_CHUNK_BLOCKS
 from npukv_store.store.index import ChunkRecord, Index
-from npukv_store.store.policy import ChunkFacts
 from npukv_store.store.publish import Publisher
 from npukv_store.store.store import KVStore
 
@@ -52,17 +51,10 @@ class Tally(Protocol):
     quarantined: int
 
 
-def facts_of(record: ChunkRecord) -> ChunkFacts:
-    return ChunkFacts(
-        record.chunk_id, record.namespace, record.size_bytes, record.num_rows,
-        record.live_rows, record.last_access_ns, record.created_ns,
-    )  # fmt: skip
-
-
-def plan(index: Index, min_live: float, target_bytes: int) -> list[list[ChunkFacts]]:
+def plan(index: Index, min_live: float, target_bytes: int) -> list[list[ChunkRecord]]:
     """Groups of chunks to rewrite, each into one new chunk: merges of small
     chunks, then every other chunk below ``min_live`` alone."""
-    chunks = [facts_of(r) for r in index.iter_chunks()]
+    chunks = list(index.iter_chunks())
     groups = policy.merge_groups(chunks, target_bytes)
     merged = {c.chunk_id for group in groups for c in group}
     groups += [
@@ -73,9 +65,9 @@ def plan(index: Index, min_live: float, target_bytes: int) -> list[list[ChunkFac
     return [part for group in groups for part in _split_rows(group)]
 
 
-def _split_rows(group: list[ChunkFacts]) -> list[list[ChunkFacts]]:
+def _split_rows(group: list[ChunkRecord]) -> list[list[ChunkRecord]]:
     """Keep each new chunk within the format's row limit."""
-    out: list[list[ChunkFacts]] = [[]]
+    out: list[list[ChunkRecord]] = [[]]
     rows = 0
     for chunk in group:
         if out[-1] and rows + chunk.live_rows > MAX_CHUNK_BLOCKS:
@@ -142,7 +134,7 @@ def _open_namespace(
 def _rewrite(
     store: KVStore,
     publisher: Publisher,
-    group: list[ChunkFacts],
+    group: list[ChunkRecord],
     config: StoreConfig,
     tally: Tally,
 ) -> None:

@@ -18,24 +18,30 @@ maintenance, and tests that need no index.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkFacts:
-    """What the rules need to know of one published chunk."""
-
-    chunk_id: int
-    namespace: bytes
-    size_bytes: int
-    num_rows: int
-    live_rows: int
-    last_access_ns: int
-    created_ns: int
+class ChunkFacts(Protocol):
+    """What the rules need to know of one published chunk (the index's
+    ``ChunkRecord`` has these; tests pass plain objects)."""
 
     @property
-    def live_fraction(self) -> float:
-        return self.live_rows / self.num_rows if self.num_rows else 0.0
+    def chunk_id(self) -> int: ...
+    @property
+    def namespace(self) -> bytes: ...
+    @property
+    def size_bytes(self) -> int: ...
+    @property
+    def num_rows(self) -> int: ...
+    @property
+    def live_rows(self) -> int: ...
+    @property
+    def created_ns(self) -> int: ...
+
+
+def live_fraction(chunk: ChunkFacts) -> float:
+    """The share of a chunk's rows some key still points to."""
+    return chunk.live_rows / chunk.num_rows if chunk.num_rows else 0.0
 
 
 # -- eviction --------------------------------------------------------------------
@@ -86,17 +92,18 @@ def excess_bytes(total_bytes: int, capacity_bytes: int, target_fraction: float) 
 # -- compaction ------------------------------------------------------------------
 
 
-def rewrite_candidates(
-    chunks: Iterable[ChunkFacts], min_live: float
-) -> list[ChunkFacts]:
+Chunk = TypeVar("Chunk", bound=ChunkFacts)
+
+
+def rewrite_candidates(chunks: Iterable[Chunk], min_live: float) -> list[Chunk]:
     """Chunks whose live fraction is below ``min_live``: rewriting them keeps
     their live rows and returns the dead ones' bytes."""
-    return [c for c in chunks if c.live_fraction < min_live]
+    return [c for c in chunks if live_fraction(c) < min_live]
 
 
 def merge_groups(
-    chunks: Sequence[ChunkFacts], target_bytes: int, *, small_below: float = 0.5
-) -> list[list[ChunkFacts]]:
+    chunks: Sequence[Chunk], target_bytes: int, *, small_below: float = 0.5
+) -> list[list[Chunk]]:
     """Groups of chunks to rewrite as one, per namespace, each up to about
     ``target_bytes`` of live data.
 
@@ -108,13 +115,13 @@ def merge_groups(
     alone unless it has dead rows (rewriting it alone gains nothing else).
     """
     limit = small_below * target_bytes
-    by_ns: dict[bytes, list[ChunkFacts]] = {}
+    by_ns: dict[bytes, list[Chunk]] = {}
     for chunk in sorted(chunks, key=lambda c: (c.created_ns, c.chunk_id)):
         if chunk.size_bytes < limit:
             by_ns.setdefault(chunk.namespace, []).append(chunk)
-    groups: list[list[ChunkFacts]] = []
+    groups: list[list[Chunk]] = []
     for members in by_ns.values():
-        group: list[ChunkFacts] = []
+        group: list[Chunk] = []
         live_bytes = 0
         for chunk in members:
             live = _live_bytes(chunk)
