@@ -313,10 +313,8 @@ def parse_header(
     keys, layer_names = decode_meta_lists(meta, path)
     layers, checksum_entry = group_layers(entries, layer_names, len(keys), path)
     if spec is not None:
-        check_against_spec(layers, layer_names, spec, path)
-        # Names in the spec's file order and tensors that tile the data section
-        # pin every offset to ChunkLayout(spec, len(keys), data_start)'s
-        # (tests/unit/test_chunk_layout.py): readers may use either.
+        layout = ChunkLayout(spec, len(keys), data_start)
+        check_against_spec(layers, layer_names, layout, path)
     table = _pread_exact(
         fd, checksum_entry.end - checksum_entry.begin, checksum_entry.begin, path
     )

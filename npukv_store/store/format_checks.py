@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from npukv_store.errors import (
     BadMagic,
@@ -17,7 +18,10 @@ from npukv_store.errors import (
     NamespaceMismatch,
     VersionMismatch,
 )
-from npukv_store.spec import CHECKSUM_TENSOR, DTYPE_SIZES, FORMAT_VERSION, NamespaceSpec
+from npukv_store.spec import CHECKSUM_TENSOR, DTYPE_SIZES, FORMAT_VERSION
+
+if TYPE_CHECKING:  # format imports this module: the layout's type only
+    from npukv_store.store.format import ChunkLayout
 
 META_FORMAT = "npukv_format"
 META_NAMESPACE = "npukv_namespace"
@@ -193,16 +197,23 @@ def group_layers(
 def check_against_spec(
     layers: tuple[tuple[TensorEntry, ...], ...],
     layer_names: tuple[str, ...],
-    spec: NamespaceSpec,
+    layout: ChunkLayout,
     path: str,
 ) -> None:
-    found = [(e.name, e.dtype, e.shape[1:]) for layer in layers for e in layer]
-    expected = [
-        (f"{layer.name}.{p.name}", p.dtype, p.row_shape)
-        for layer in spec.layers
-        for p in layer.parts
+    """The tensors are exactly those of ``layout`` (a ``format.ChunkLayout``
+    of the expected namespace and this chunk's row count), at its offsets."""
+    found = [
+        (e.name, e.dtype, e.shape[1:], e.begin, e.end)
+        for layer in layers
+        for e in layer
     ]
-    if found != expected or list(layer_names) != [lay.name for lay in spec.layers]:
+    start = layout.data_start
+    expected = [
+        (p.name, p.dtype, p.row_shape, start + p.begin, start + p.end)
+        for p in layout.parts()
+    ]
+    names = [lay.name for lay in layout.spec.layers]
+    if found != expected or list(layer_names) != names:
         raise CorruptChunk(
             f"{path}: tensors {found[:2]}... do not match the namespace layout "
             f"{expected[:2]}..."

@@ -355,3 +355,22 @@ def test_a_row_whose_home_moved_during_compaction_keeps_its_new_home(
         assert not os.path.exists(path)
         assert store.index.locate(keys[:1])[0] == home
         assert store.check(verify_data=True) == []
+
+
+def test_rebuild_index_restores_what_the_index_lost(tmp_path, spec, config, rings):
+    keys = _keys(12)
+    with KVStore(config, spec) as store:
+        for i in range(0, 12, 3):
+            store.put(keys[i : i + 3], block_tensors(spec, keys[i : i + 3]))
+        # the index forgets one chunk whose file stays (a stale index)
+        chunk_id = store.index.locate(keys[:1])[0][0]
+        store.index.remove_chunks([chunk_id])
+        store.index.forget_dead([chunk_id])
+    code, summary, err = _compact(config.cache_dir, "--gc-only", ring_dir=rings)
+    assert code == 0, err  # its writer (this process) lives: not an orphan yet
+    assert summary["chunks_before"] == 3
+    code, summary, err = _compact(config.cache_dir, "--rebuild-index", ring_dir=rings)
+    assert code == 0, err
+    assert summary["chunks_before"] == 4  # rebuilt from the chunk files
+    assert summary["chunks_after"] == 1  # then merged
+    assert _reads_back(config, spec, keys) == 12
