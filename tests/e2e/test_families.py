@@ -127,8 +127,8 @@ def _stored_bytes(npukv, cache: Path) -> int:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert npukv(["stats", str(cache)]) == 0
-    return int(json.loads(out.getvalue())["total_bytes"])
+        assert npukv(["stats", str(cache), "--json"]) == 0
+    return int(json.loads(out.getvalue())["used_bytes"])
 
 
 def test_mla_loads_nothing_where_vllm_turned_prefix_caching_off(tmp_path):
