@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from npukv_store.config import StoreConfig
 from npukv_store.connector.metadata import NPUKVMetadata, NPUKVWorkerMetadata
+from npukv_store.connector.prometheus import NPUKVPromMetrics
 from npukv_store.connector.scheduler import SchedulerSide
 from npukv_store.connector.stats import NPUKVStats
 from npukv_store.connector.worker import WorkerSide
@@ -94,6 +95,19 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         cls, data: dict[str, Any] | None = None
     ) -> NPUKVStats | None:
         return NPUKVStats.from_dict(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> NPUKVPromMetrics:
+        """The ``vllm:npukv_*`` metrics on vLLM's /metrics (connector/prometheus.py)."""
+        return NPUKVPromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     # -- worker side ------------------------------------------------------------------
 

@@ -25,6 +25,9 @@ COUNTERS = (
     "skipped_blocks",
     "dropped_blocks",
 )
+#: gauges: the latest value, the largest over workers (a peak, not a sum over
+#: steps); present only when it changed since the worker's last report
+GAUGES = ("ring_used_bytes",)
 
 
 @dataclass
@@ -45,6 +48,9 @@ class NPUKVStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> NPUKVStats:
         for key in COUNTERS:
             self.data[key] += other.data.get(key, 0)
+        for key in GAUGES:
+            if key in other.data:
+                self.data[key] = max(self.data.get(key, 0), other.data[key])
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -54,10 +60,12 @@ class NPUKVStats(KVConnectorStats):
         out["save_GBps"] = _rate(data["saved_bytes"], data["save_seconds"])
         lookups = data["lookup_tokens"]
         out["hit_rate"] = round(data["hit_tokens"] / lookups, 4) if lookups else 0.0
+        out.update({key: data[key] for key in GAUGES if key in data})
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in COUNTERS)
+        changed = any(key in self.data for key in GAUGES)
+        return not changed and not any(self.data.get(key) for key in COUNTERS)
 
     def copy(self) -> NPUKVStats:
         return NPUKVStats(dict(self.data))

@@ -75,6 +75,7 @@ class WorkerSide:
         self._layer_pos: list[int] = []  # position of each layer in its group
         self.stats = NPUKVStats()
         self.totals = NPUKVStats()
+        self._ring_reported = 0  # the ring occupancy last reported (a gauge)
         self._last_log = time.monotonic()
         self._meta = NPUKVMetadata()
         self.saver: StepSaver | None = None
@@ -390,6 +391,9 @@ class WorkerSide:
             counters = self.store.counters.snapshot()
             dropped = counters.get("dropped_blocks", 0)
             stats.add(dropped_blocks=dropped - self.totals.data["dropped_blocks"])
+            ring_used = self.store.ring_used_bytes()
+            if ring_used != self._ring_reported:  # a gauge: sent when it moves
+                stats.data["ring_used_bytes"] = self._ring_reported = ring_used
         if stats.is_empty():
             return None
         self.totals.aggregate(stats)

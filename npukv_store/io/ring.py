@@ -160,6 +160,12 @@ class StagingRing:
         return self.data[region.offset : region.offset + region.nbytes]
 
     @property
+    def used_bytes(self) -> int:
+        """Bytes of the regions reserved and not yet reclaimed."""
+        with self._lock:
+            return sum(region.nbytes for region in self._live)
+
+    @property
     def live_regions(self) -> int:
         """Regions reserved and not yet reclaimed."""
         with self._lock:

@@ -297,6 +297,14 @@ class KVStore:
         self._release_claims(staged.keys)
         self.counters.add(dropped_blocks=len(staged.keys))
 
+    def ring_used_bytes(self) -> int:
+        """Bytes of the staging ring held by saves not yet published (0 without
+        a ring): a gauge for operators, 0 after a flush."""
+        if self._parent is not None:
+            return self._parent.ring_used_bytes()
+        saver = self._async
+        return 0 if saver is None else saver.ring.used_bytes
+
     def ring_buffer(self) -> np.ndarray:
         """The staging ring's bytes (creating it): what a device registers."""
         return self._saver().ring.data

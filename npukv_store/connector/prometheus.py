@@ -1,0 +1,104 @@
+"""The connector's Prometheus metrics, on vLLM's ``/metrics`` as ``vllm:npukv_*``.
+
+Runs in: the process that runs vLLM's stat loggers (the API server's, or the
+engine's in offline mode). vLLM builds this once per server
+(``build_prom_metrics``) and hands it, per scheduler step, the connector's
+stats of that step summed over workers (``NPUKVStats.data``).
+
+    counters    vllm:npukv_{hit_tokens,lookup_tokens,loaded_bytes,saved_bytes,
+                dropped_blocks,load_errors,loaded_blocks,saved_blocks}_total
+    histograms  vllm:npukv_load_gbps, vllm:npukv_save_gbps (one sample per step
+                that loaded or saved)
+    gauge       vllm:npukv_ring_used_bytes (staging ring held by unpublished saves)
+
+The names and their meaning are in docs/metrics.md, with the Grafana
+dashboard docs/grafana_npukv.json.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+#: stats key -> what the counter counts (its name is vllm:npukv_<key>_total)
+COUNTED = {
+    "lookup_tokens": "Prompt tokens the connector looked up in the store.",
+    "hit_tokens": "Prompt tokens the connector found stored (claimed for loading).",
+    "loaded_blocks": "Blocks loaded from the store into the KV cache.",
+    "loaded_bytes": "Bytes loaded from the store into the KV cache.",
+    "saved_blocks": "Blocks saved to the store.",
+    "saved_bytes": "Bytes saved to the store.",
+    "dropped_blocks": "Blocks whose save was dropped (ring full or disk failing).",
+    "load_errors": "Blocks whose load failed and were recomputed.",
+}
+#: GB/s buckets: a page-cache hit runs at 5-15 GB/s, NVMe at 1-7, a busy disk below
+_GBPS_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+
+
+class NPUKVPromMetrics(KVConnectorPromMetrics):
+    """The ``vllm:npukv_*`` metrics of one server (one child per engine)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        engines = per_engine_labelvalues
+        # vLLM types these as a union of metric classes; each is one class here
+        counter: Any = self._counter_cls
+        histogram: Any = self._histogram_cls
+        gauge: Any = self._gauge_cls
+        self.counters: dict[str, dict[int, Any]] = {
+            key: create_metric_per_engine(
+                counter(
+                    name=f"vllm:npukv_{key}", documentation=doc, labelnames=labelnames
+                ),
+                engines,
+            )
+            for key, doc in COUNTED.items()
+        }
+        self.rates: dict[tuple[str, str], dict[int, Any]] = {
+            (nbytes, seconds): create_metric_per_engine(
+                histogram(
+                    name=f"vllm:npukv_{what}_gbps",
+                    documentation=f"{what.title()} bandwidth per step that {what}ed "
+                    "blocks, in GB/s (bytes over the time the step's transfers took).",
+                    buckets=_GBPS_BUCKETS,
+                    labelnames=labelnames,
+                ),
+                engines,
+            )
+            for what, nbytes, seconds in (
+                ("load", "loaded_bytes", "load_seconds"),
+                ("save", "saved_bytes", "save_seconds"),
+            )
+        }
+        self.ring_used: dict[int, Any] = create_metric_per_engine(
+            gauge(
+                name="vllm:npukv_ring_used_bytes",
+                documentation="Bytes of the staging rings held by saves not yet "
+                "on disk (the largest over workers).",
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            ),
+            engines,
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        data = transfer_stats_data or {}
+        for key, metric in self.counters.items():
+            value = data.get(key, 0)
+            if value:
+                metric[engine_idx].inc(value)
+        for (nbytes, seconds), metric in self.rates.items():
+            if data.get(seconds, 0) > 0 and data.get(nbytes, 0) > 0:
+                metric[engine_idx].observe(data[nbytes] / data[seconds] / 1e9)
+        if "ring_used_bytes" in data:
+            self.ring_used[engine_idx].set(data["ring_used_bytes"])
