@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from npukv_store.spec import NamespaceSpec
+from npukv_store.store import policy
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import META_CREATED_NS, META_CREATOR, ChunkHeader
 from npukv_store.store.index import ChunkRecord, Index
@@ -48,10 +49,8 @@ class Usage:
         self.chunks += 1
         self.blocks += record.live_rows
         self.bytes += record.size_bytes
-        # a dead row's share of the file (header included): about what
-        # compaction gets back by rewriting only the live rows
-        dead_rows = record.num_rows - record.live_rows
-        self.dead_bytes += record.size_bytes * dead_rows // max(record.num_rows, 1)
+        # about what compaction gets back by rewriting only the live rows
+        self.dead_bytes += policy.dead_bytes(record)
         created = record.created_ns
         self.oldest_ns = min(created, self.oldest_ns or created)
         self.newest_ns = max(created, self.newest_ns or created)

@@ -142,7 +142,8 @@ def _live_bytes(chunk: ChunkFacts) -> int:
 def dead_bytes(chunk: ChunkFacts) -> int:
     """Bytes of ``chunk`` held by rows no key points to (an estimate: the
     header is shared by all rows)."""
-    return chunk.size_bytes - _live_bytes(chunk)
+    dead_rows = chunk.num_rows - chunk.live_rows
+    return chunk.size_bytes * dead_rows // max(chunk.num_rows, 1)
 
 
 # -- page-cache admission ----------------------------------------------------------
