@@ -161,6 +161,25 @@ class StoreConfig:
             "to compute a continued prefill exactly as a full one."
         ),
     )
+    load_policy: str = field(
+        default="auto",
+        metadata=_doc(
+            "Which hits are loaded: auto (only a prefix whose load the measured "
+            "bandwidth says finishes within (1 + load_margin) times its "
+            "recompute, from measured prefill throughput; every hit until a few "
+            "loads and steps are measured) or always (every hit). A declined "
+            "hit is recomputed: this changes time, never outputs "
+            "(docs/design.md §24)."
+        ),
+    )
+    load_margin: float = field(
+        default=0.25,
+        metadata=_doc(
+            "auto: a hit is still loaded when its load is expected to take up "
+            "to this much longer than its recompute (a load frees compute for "
+            "the other requests of the batch; estimates are noisy)."
+        ),
+    )
     sliding_save: str = field(
         default="all",
         metadata=_doc(
@@ -201,6 +220,11 @@ class StoreConfig:
         self._check_choice("verify", ("always", "never"))
         self._check_choice("layerwise", ("auto", "on", "off"))
         self._check_choice("sliding_save", ("all", "tails"))
+        self._check_choice("load_policy", ("auto", "always"))
+        margin = _parse_number(self.load_margin, "load_margin", float)
+        if not math.isfinite(margin) or margin < 0:
+            raise ConfigError(f"load_margin: found {margin}, expected a ratio >= 0")
+        object.__setattr__(self, "load_margin", margin)
         for key in ("direct_io", "save_decode", "load_without_prefix_caching"):
             object.__setattr__(self, key, _parse_bool(getattr(self, key), key))
         depth = _parse_number(self.prefetch_depth, "prefetch_depth", int)

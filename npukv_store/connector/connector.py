@@ -172,9 +172,19 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return side.take_stats() if side is not None else None
 
     def build_connector_worker_meta(self) -> NPUKVWorkerMetadata | None:
-        if self._worker is not None and self._worker.disabled_reason:
-            return NPUKVWorkerMetadata(self._worker.disabled_reason)
-        return None
+        worker = self._worker
+        if worker is None:
+            return None
+        if worker.disabled_reason:
+            return NPUKVWorkerMetadata(worker.disabled_reason)
+        try:
+            loads, steps = worker.take_costs()
+        except Exception:
+            logger.exception("npukv_store: measuring costs failed")
+            return None
+        if not (loads or steps):
+            return None
+        return NPUKVWorkerMetadata(load_samples=loads, step_samples=steps)
 
     def shutdown(self) -> None:
         side = self._worker or self._scheduler
@@ -213,9 +223,17 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if meta is None or self._scheduler is None:
+            return
         reason = getattr(meta, "disabled_reason", "")
-        if reason and self._scheduler is not None:
+        if reason:
             self._scheduler.disable(f"a worker is off: {reason}")
+        try:
+            self._scheduler.measured(
+                getattr(meta, "load_samples", ()), getattr(meta, "step_samples", ())
+            )
+        except Exception:
+            logger.exception("npukv_store: update_connector_output failed")
 
     def request_finished(
         self, request: Any, block_ids: list[int]

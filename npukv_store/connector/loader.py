@@ -66,9 +66,12 @@ class LoadJob:
     consumed: int = _UNGATED
     finished: bool = False
     started: float = field(default_factory=time.perf_counter)
+    ended: float = 0.0  # when its last layer was read and its copy issued
     cond: threading.Condition = field(default_factory=threading.Condition)
     #: asynchronous loads: request id -> its block ids (to report per request)
     requests: dict[str, set[int]] = field(default_factory=dict)
+    #: the store's (cached, disk) read byte counters when it started (costs.py)
+    read_before: tuple[int, int] | None = None
 
     def all_block_ids(self) -> list[int]:
         return [b for ids in self.block_ids for b in ids]
@@ -154,6 +157,7 @@ class LayerLoader:
         finally:
             with job.cond:
                 job.finished = True
+                job.ended = time.perf_counter()
                 job.cond.notify_all()
 
     def submit(self, job: LoadJob, *, layer_by_layer: bool = True) -> None:

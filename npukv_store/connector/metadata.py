@@ -70,6 +70,9 @@ class NPUKVMetadata(KVConnectorMetadata):
     #: workers report them received and failed, so vLLM recomputes them
     #: instead of waiting for ever
     failed_loads: list[str] = field(default_factory=list)
+    #: tokens the step computes (vLLM's total_num_scheduled_tokens): with the
+    #: step's compute time, what the load policy prices recompute by
+    num_scheduled_tokens: int = 0
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.held_req_ids or self.failed_loads)
@@ -77,11 +80,20 @@ class NPUKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class NPUKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: whether any worker turned itself off (a layout it
-    cannot copy), so the scheduler stops promising hits."""
+    """Worker -> scheduler, each step: whether any worker turned itself off (a
+    layout it cannot copy), so the scheduler stops promising hits; and the
+    costs measured since the last step, for the load policy."""
 
     disabled_reason: str = ""
+    #: per finished load: (seconds, bytes from the page cache, bytes from disk)
+    load_samples: list[tuple[float, int, int]] = field(default_factory=list)
+    #: per step that loaded nothing: (compute seconds, tokens computed)
+    step_samples: list[tuple[float, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> NPUKVWorkerMetadata:
         reason = getattr(other, "disabled_reason", "")
-        return NPUKVWorkerMetadata(self.disabled_reason or reason)
+        return NPUKVWorkerMetadata(
+            self.disabled_reason or reason,
+            self.load_samples + list(getattr(other, "load_samples", [])),
+            self.step_samples + list(getattr(other, "step_samples", [])),
+        )

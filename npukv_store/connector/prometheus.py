@@ -6,9 +6,12 @@ engine's in offline mode). vLLM builds this once per server
 stats of that step summed over workers (``NPUKVStats.data``).
 
     counters    vllm:npukv_{hit_tokens,lookup_tokens,loaded_bytes,saved_bytes,
-                dropped_blocks,load_errors,loaded_blocks,saved_blocks}_total
+                dropped_blocks,load_errors,loaded_blocks,saved_blocks,
+                declined_tokens}_total, and
+                vllm:npukv_load_decisions_total{decision=load|shorter|recompute|probe}
     histograms  vllm:npukv_load_gbps, vllm:npukv_save_gbps (one sample per step
-                that loaded or saved)
+                that loaded or saved), vllm:npukv_load_wait_seconds (per step
+                whose forward waited for loads: the slowest worker's wait)
     gauge       vllm:npukv_ring_used_bytes (staging ring held by unpublished saves)
 
 The names and their meaning are in docs/metrics.md, with the Grafana
@@ -34,9 +37,21 @@ COUNTED = {
     "saved_bytes": "Bytes saved to the store.",
     "dropped_blocks": "Blocks whose save was dropped (ring full or disk failing).",
     "load_errors": "Blocks whose load failed and were recomputed.",
+    "declined_tokens": "Hit tokens the load policy chose to recompute (their "
+    "load was expected to be slower).",
+}
+#: the load policy's decisions, by the label value each is counted under
+DECIDED = {
+    "load": "decided_load",
+    "shorter": "decided_shorter",
+    "recompute": "decided_recompute",
+    "probe": "decided_probe",
 }
 #: GB/s buckets: a page-cache hit runs at 5-15 GB/s, NVMe at 1-7, a busy disk below
 _GBPS_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+#: seconds a step's forward waits for its loads: 1 ms (a warm short prefix)
+#: to seconds (a long cold one on a busy disk)
+_WAIT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
 class NPUKVPromMetrics(KVConnectorPromMetrics):
@@ -80,6 +95,27 @@ class NPUKVPromMetrics(KVConnectorPromMetrics):
                 ("save", "saved_bytes", "save_seconds"),
             )
         }
+        self.load_wait: dict[int, Any] = create_metric_per_engine(
+            histogram(
+                name="vllm:npukv_load_wait_seconds",
+                documentation="Seconds a step's forward waited for its loads "
+                "(per step that loaded; the slowest worker).",
+                buckets=_WAIT_BUCKETS,
+                labelnames=labelnames,
+            ),
+            engines,
+        )
+        decisions = counter(
+            name="vllm:npukv_load_decisions",
+            documentation="The load policy's decisions on hits: load (all of "
+            "it), shorter (its page-cached head), recompute (none), probe (all, "
+            "to measure, although recompute looked faster).",
+            labelnames=[*labelnames, "decision"],
+        )
+        self.decisions: dict[int, dict[str, Any]] = {
+            idx: {d: decisions.labels(*values, d) for d in DECIDED}
+            for idx, values in engines.items()
+        }
         self.ring_used: dict[int, Any] = create_metric_per_engine(
             gauge(
                 name="vllm:npukv_ring_used_bytes",
@@ -100,5 +136,10 @@ class NPUKVPromMetrics(KVConnectorPromMetrics):
         for (nbytes, seconds), metric in self.rates.items():
             if data.get(seconds, 0) > 0 and data.get(nbytes, 0) > 0:
                 metric[engine_idx].observe(data[nbytes] / data[seconds] / 1e9)
+        for decision, key in DECIDED.items():
+            if data.get(key, 0):
+                self.decisions[engine_idx][decision].inc(data[key])
+        if data.get("load_wait_seconds", 0) > 0:
+            self.load_wait[engine_idx].observe(data["load_wait_seconds"])
         if "ring_used_bytes" in data:
             self.ring_used[engine_idx].set(data["ring_used_bytes"])

@@ -2,7 +2,8 @@
 
 Runs in: the EngineCore process (one per engine), on the scheduler's thread.
 
-    match()         - longest stored prefix beyond the local prefix-cache hit
+    match()         - longest stored prefix beyond the local prefix-cache hit,
+                      as much of it as the load policy says pays to load
     allocated()     - remember the blocks a hit loads into (and, where the
                       workers load layer by layer, hint readahead)
     build_meta()    - one step's loads, saves and released requests
@@ -22,11 +23,20 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from npukv_store.config import StoreConfig
 from npukv_store.connector.groups import blocks_to_save, hit_end
+from npukv_store.connector.load_policy import (
+    LOAD,
+    PROBE,
+    RECOMPUTE,
+    SHORTER,
+    Decision,
+    LoadPolicy,
+)
 from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata, pack_keys
 from npukv_store.connector.namespace import EngineKV, engine_namespaces
 from npukv_store.connector.stats import NPUKVStats
@@ -45,7 +55,9 @@ class _RequestState:
     keys: Keys
     next_mm_index: int = 0
     local_tokens: int = 0  # the block-aligned local hit passed to match()
-    hit_blocks: int = 0  # end of the hit match() found (local + external)
+    found_blocks: int = 0  # end of the stored prefix match() found
+    hit_blocks: int = 0  # end of the hit it claims (the load policy's part)
+    decision: Decision | None = None  # not yet counted in the stats
     stored_full: int = 0  # leading blocks every full-attention group stores
     saved_blocks: int = 0  # blocks [0, saved_blocks) are stored, loaded or queued
     saved_any: bool = False
@@ -61,6 +73,7 @@ class SchedulerSide:
     ) -> None:
         self.settings = settings
         self.stats = NPUKVStats()
+        self.policy = LoadPolicy(settings.load_policy, settings.load_margin)
         self.disabled_reason = ""
         self.kv_cache_manager: Any = None
         self._requests: dict[str, _RequestState] = {}
@@ -82,6 +95,8 @@ class SchedulerSide:
             [namespace_fingerprint(spec) for spec in rank] for rank in self.engine.specs
         ]
         self.block_size = self.engine.block_size
+        # what one worker reads per block: the ranks load their parts at once
+        self.block_load_bytes = sum(spec.block_bytes for spec in self.engine.specs[0])
         self.load_async = self.engine.hybrid
         # One handle suffices: the index is shared by every namespace, and keys
         # of different namespaces never collide (they are seeded by it).
@@ -199,18 +214,51 @@ class SchedulerSide:
         try:
             state = self._state(request)
             state.local_tokens = num_computed_tokens
-            state.hit_blocks = 0
+            state.found_blocks = state.hit_blocks = 0
+            state.decision = None
             if not self.loads_on:
                 return 0
             max_blocks = (request.num_tokens - 1) // self.block_size
             local = num_computed_tokens // self.block_size
             if max_blocks <= local:
                 return 0
-            state.hit_blocks = self._hit(state, local, max_blocks)
+            found = state.found_blocks = state.hit_blocks = self._hit(
+                state, local, max_blocks
+            )
+            if found > local:
+                state.decision = self._decide(state, local, found)
+                state.hit_blocks = local + state.decision.blocks
             return max(0, state.hit_blocks * self.block_size - num_computed_tokens)
         except Exception:
             self._warn_once("match", "lookup failed; treating as a miss")
             return 0
+
+    def _decide(self, state: _RequestState, local: int, found: int) -> Decision:
+        """The load policy's part of the hit ``[local, found)``. A shorter
+        prefix is tried only where any prefix of a hit is one: models without
+        sliding-window groups (whose windows must end where the hit ends)."""
+        assert self.engine is not None
+        cached_head = None
+        full = [g for g in self.engine.groups if g.kind == "full"]
+        if len(full) == len(self.engine.groups):
+            chain = state.keys[0][full[0].index]
+
+            def cached_head() -> int:
+                assert self.store is not None
+                return self.store.cached_prefix(chain[local:found])
+
+        return self.policy.decide(
+            found - local, self.block_load_bytes, self.block_size, cached_head
+        )
+
+    def measured(
+        self,
+        loads: Iterable[Sequence[float]],
+        steps: Iterable[Sequence[float]],
+    ) -> None:
+        """The workers' cost samples of a step, for the load policy."""
+        self.policy.observe_loads((float(t), int(c), int(d)) for t, c, d in loads)
+        self.policy.observe_steps((float(t), int(n)) for t, n in steps)
 
     def allocated(
         self, request: Any, block_ids: tuple[list[int], ...], num_external: int
@@ -220,10 +268,18 @@ class SchedulerSide:
         state = self._requests.get(request.request_id)
         if state is None:
             return
-        state.saved_blocks = max(state.saved_blocks, state.hit_blocks)
+        # a declined part of a hit is stored already: recomputed, not saved
+        state.saved_blocks = max(state.saved_blocks, state.found_blocks)
         if not state.counted:
             state.counted = True
             self.stats.add(lookup_tokens=request.num_prompt_tokens)
+        if state.decision is not None:
+            declined = state.found_blocks - state.hit_blocks
+            self.stats.add(
+                **{_DECIDED[state.decision.kind]: 1},
+                declined_tokens=declined * self.block_size,
+            )
+            state.decision = None
         if num_external <= 0:
             return
         assert self.engine is not None
@@ -266,6 +322,7 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> NPUKVMetadata:
         meta = NPUKVMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
+        meta.num_scheduled_tokens = sum(scheduled.values())
         loads, self._loads = self._loads, {}
         for rid, transfers in loads.items():
             # an asynchronous load runs in a step that does not schedule its
@@ -370,6 +427,15 @@ class SchedulerSide:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+#: decision kind -> its counter in the stats
+_DECIDED = {
+    LOAD: "decided_load",
+    SHORTER: "decided_shorter",
+    RECOMPUTE: "decided_recompute",
+    PROBE: "decided_probe",
+}
 
 
 def _transfer(

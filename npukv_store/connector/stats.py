@@ -24,10 +24,20 @@ COUNTERS = (
     "save_seconds",
     "skipped_blocks",
     "dropped_blocks",
+    # the load policy's decisions, one per hit it was asked about
+    # (connector/load_policy.py), and the hit tokens it chose to recompute
+    "decided_load",
+    "decided_shorter",
+    "decided_recompute",
+    "decided_probe",
+    "declined_tokens",
 )
 #: gauges: the latest value, the largest over workers (a peak, not a sum over
 #: steps); present only when it changed since the worker's last report
 GAUGES = ("ring_used_bytes",)
+#: peaks: the largest over the steps and workers aggregated (the slowest
+#: rank's wait is the step's wait)
+PEAKS = ("load_wait_seconds",)
 
 
 @dataclass
@@ -48,7 +58,7 @@ class NPUKVStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> NPUKVStats:
         for key in COUNTERS:
             self.data[key] += other.data.get(key, 0)
-        for key in GAUGES:
+        for key in (*GAUGES, *PEAKS):
             if key in other.data:
                 self.data[key] = max(self.data.get(key, 0), other.data[key])
         return self
@@ -60,11 +70,14 @@ class NPUKVStats(KVConnectorStats):
         out["save_GBps"] = _rate(data["saved_bytes"], data["save_seconds"])
         lookups = data["lookup_tokens"]
         out["hit_rate"] = round(data["hit_tokens"] / lookups, 4) if lookups else 0.0
-        out.update({key: data[key] for key in GAUGES if key in data})
+        out.update({key: data[key] for key in (*GAUGES, *PEAKS) if key in data})
         return out
 
+    def peak(self, key: str, value: float) -> None:
+        self.data[key] = max(self.data.get(key, 0), value)
+
     def is_empty(self) -> bool:
-        changed = any(key in self.data for key in GAUGES)
+        changed = any(key in self.data for key in (*GAUGES, *PEAKS))
         return not changed and not any(self.data.get(key) for key in COUNTERS)
 
     def copy(self) -> NPUKVStats:

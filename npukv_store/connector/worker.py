@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from npukv_store.config import StoreConfig
+from npukv_store.connector.costs import CostMeter
 from npukv_store.connector.loader import LayerLoader, LoadJob, LoadLayer
 from npukv_store.connector.metadata import (
     BlockTransfer,
@@ -83,6 +84,8 @@ class WorkerSide:
         self._async_jobs: list[LoadJob] = []
         self._failed_recving: set[str] = set()
         self.loader: LayerLoader | None = None
+        self.costs: CostMeter | None = None
+        self._load_wait = 0.0  # this step's forward thread waiting for loads
         self._load_errors: set[int] = set()
         self._hooks_seen: set[str] = set()
         self._loads_seen: set[str] = set()
@@ -156,6 +159,7 @@ class WorkerSide:
             self.stores, self.layers, self.backend, self.xfer,
             self.settings.prefetch_depth,
         )  # fmt: skip
+        self.costs = CostMeter(self.backend, self.stores)
         self.saver = StepSaver(
             self.stores, self.specs, self.layers, self._layer_pos, self.backend,
             self.xfer, self.settings, self.rank, self._warn_once,
@@ -186,6 +190,9 @@ class WorkerSide:
             self.saver.plan(meta.saves if not self.disabled_reason else [])
         self._hooks_seen.clear()
         self._loads_seen.clear()
+        self._load_wait = 0.0
+        if self.costs is not None:
+            self.costs.step_started(meta.num_scheduled_tokens, bool(meta.loads))
 
     def save_layer(self, layer_name: str) -> None:
         if self._observe_hooks:
@@ -199,6 +206,8 @@ class WorkerSide:
     def finish_step(self) -> None:
         """wait_for_save: copy what the hooks did not, queue the saves, and
         settle this step's loads. Never waits for the disk."""
+        if self.costs is not None:
+            self.costs.step_ended()
         if self._observe_hooks:
             self._learn_hooks()
         queued = self.saver.finish() if self.saver is not None else None
@@ -208,8 +217,12 @@ class WorkerSide:
                 saved_blocks=blocks, saved_bytes=nbytes, save_seconds=seconds
             )
         if self._load is not None:
+            waited = time.perf_counter()
             self._settle_load(self._load)
+            self._load_wait += time.perf_counter() - waited
             self._load = None
+        if self._load_wait > 0:
+            self.stats.peak("load_wait_seconds", self._load_wait)
         self._maybe_log()
 
     def _learn_hooks(self) -> None:
@@ -262,15 +275,17 @@ class WorkerSide:
             self._load_errors.update(b for ids in block_ids for b in ids)
             return
         try:
-            job = self.loader.new_job(keys, block_ids, gated=self.layerwise)
+            job = self._new_job(keys, block_ids, gated=self.layerwise)
             if self.layerwise:
                 self.loader.submit(job)
                 self._load = job
                 return
+            waited = time.perf_counter()
             self.loader.run(job)
             for index in range(len(self.layers)):
                 self.loader.wait_layer(job, index)
             self._settle_load(job)
+            self._load_wait += time.perf_counter() - waited
         except Exception:
             self._warn_once("load", "load failed; its blocks are recomputed")
             self._load_errors.update(b for ids in block_ids for b in ids)
@@ -284,7 +299,7 @@ class WorkerSide:
             return
         try:
             keys, block_ids = self._per_group(loads)
-            job = self.loader.new_job(keys, block_ids, gated=False)
+            job = self._new_job(keys, block_ids, gated=False)
             for t in loads:
                 job.requests.setdefault(t.req_id, set()).update(t.block_ids)
             self.loader.submit(job, layer_by_layer=False)
@@ -292,6 +307,15 @@ class WorkerSide:
         except Exception:
             self._warn_once("load", "load failed; its blocks are recomputed")
             self._failed_recving.update(requests)
+
+    def _new_job(
+        self, keys: list[list[bytes]], block_ids: list[list[int]], *, gated: bool
+    ) -> LoadJob:
+        assert self.loader is not None
+        job = self.loader.new_job(keys, block_ids, gated=gated)
+        if self.costs is not None:
+            job.read_before = self.costs.load_started()
+        return job
 
     def _per_group(
         self, loads: list[BlockTransfer]
@@ -310,7 +334,9 @@ class WorkerSide:
             return
         index = self.layer_index.get(layer_name)
         if index is not None:
+            waited = time.perf_counter()
             self.loader.wait_layer(job, index)
+            self._load_wait += time.perf_counter() - waited
 
     def _settle_load(self, job: LoadJob) -> None:
         assert self.loader is not None
@@ -339,12 +365,21 @@ class WorkerSide:
                 "corrupt); vLLM recomputes them",
                 total - good, total,
             )  # fmt: skip
+        seconds = (job.ended or time.perf_counter()) - job.started
         self.stats.add(
             loaded_blocks=good,
             loaded_bytes=nbytes,
-            load_seconds=time.perf_counter() - job.started,
+            load_seconds=seconds,
             load_errors=total - good,
         )
+        if self.costs is not None and job.read_before is not None:
+            self.costs.load_done(job.read_before, seconds)
+
+    def take_costs(
+        self,
+    ) -> tuple[list[tuple[float, int, int]], list[tuple[float, int]]]:
+        """The load policy's samples measured since the last call."""
+        return self.costs.take() if self.costs is not None else ([], [])
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -18,7 +18,7 @@ the one for the device at hand, so nothing NPU-specific loads without
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
@@ -47,6 +47,10 @@ class Event(Protocol):
 
     def synchronize(self) -> None:
         """Block the calling thread until that work is done."""
+
+    def elapsed_ms(self, end: Any) -> float:
+        """Milliseconds of device time from this event to ``end`` (both made
+        with ``timing=True`` and complete)."""
 
 
 class Stream(Protocol):

@@ -16,6 +16,7 @@ plain tensor.
 from __future__ import annotations
 
 import ctypes
+import time
 from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
@@ -40,16 +41,22 @@ class CpuStream:
 
 
 class CpuEvent:
-    """An event that is always complete."""
+    """An event that is always complete; it keeps the time it was recorded."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
 
     def record(self, stream: Stream | None = None) -> None:
-        pass
+        self.at = time.perf_counter()
 
     def query(self) -> bool:
         return True
 
     def synchronize(self) -> None:
         pass
+
+    def elapsed_ms(self, end: CpuEvent) -> float:
+        return (end.at - self.at) * 1e3
 
 
 class CpuBackend:

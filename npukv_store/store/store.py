@@ -22,6 +22,7 @@ process evicts the chunk in between.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import secrets
 import threading
@@ -30,11 +31,12 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from npukv_store import native
 from npukv_store.config import StoreConfig
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
 from npukv_store.io.writer import Event
 from npukv_store.spec import NamespaceSpec
-from npukv_store.store import recovery
+from npukv_store.store import policy, recovery
 from npukv_store.store.arrays import DestRows, GroupedRows, input_rows, output_rows
 from npukv_store.store.chunk_reader import ChunkReader
 from npukv_store.store.chunk_writer import write_chunk
@@ -334,6 +336,44 @@ class KVStore:
             finally:
                 os.close(fd)
         return hinted
+
+    def cached_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are stored in chunk files the page cache
+        mostly holds (``policy.CACHED_SHARE`` of their pages): the part of a
+        hit that loads at memory speed. Stops at the first other key. One
+        cachestat (or mincore) per chunk file; never reads data."""
+        self._check_fork()
+        shares: dict[int, bool] = {}
+        count = 0
+        for loc in self.index.locate(keys):
+            if loc is None:
+                break
+            chunk_id = loc[0]
+            if chunk_id not in shares:
+                shares[chunk_id] = self._mostly_cached(chunk_id)
+            if not shares[chunk_id]:
+                break
+            count += 1
+        return count
+
+    def _mostly_cached(self, chunk_id: int) -> bool:
+        record = self.index.chunk(chunk_id)
+        if record is None:
+            return False
+        path = self.dir.chunk_path(record.namespace.hex(), chunk_id)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return False  # evicted meanwhile: its read will miss
+        try:
+            size = os.fstat(fd).st_size
+            cached = int(native.cached_pages(fd, np.array([[0, size]]))[0])
+        except (OSError, ValueError):
+            return False
+        finally:
+            os.close(fd)
+        pages = -(-size // mmap.PAGESIZE)
+        return pages > 0 and cached / pages >= policy.CACHED_SHARE
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything put_async'ed so far is published (visible to

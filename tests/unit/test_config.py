@@ -52,6 +52,10 @@ def test_missing_cache_dir():
         ("prefetch_depth", "two"),
         ("evict_grace_s", "-1"),
         ("index_map_size", "1KiB"),
+        ("load_policy", "never"),
+        ("load_margin", "-0.1"),
+        ("load_margin", "nan"),
+        ("load_margin", "lots"),
     ],
 )
 def test_bad_values(key, value):

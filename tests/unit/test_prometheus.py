@@ -103,3 +103,34 @@ def test_the_dashboard_and_the_docs_name_only_metrics_that_exist(metrics):
     missing = {n for n in named if n not in exposed and f"{n}_bucket" not in exposed}
     assert missing == set()
     assert len(named) >= 8
+
+
+def test_decisions_are_counted_by_label_and_the_load_wait_per_step(metrics):
+    prom, registry = metrics
+    step = NPUKVStats()
+    step.add(decided_load=3, decided_recompute=2, declined_tokens=64)
+    step.peak("load_wait_seconds", 0.004)
+    prom.observe(step.to_dict(), engine_idx=0)
+    prom.observe(NPUKVStats().to_dict(), engine_idx=0)  # no load: no wait sample
+
+    def decided(decision, engine="0"):
+        labels = {"model_name": "m", "engine": engine, "decision": decision}
+        return registry.get_sample_value("vllm:npukv_load_decisions_total", labels)
+
+    assert (decided("load"), decided("recompute"), decided("shorter")) == (3, 2, 0)
+    assert decided("load", engine="1") == 0
+    assert _value(registry, "vllm:npukv_declined_tokens_total") == 64
+    assert _value(registry, "vllm:npukv_load_wait_seconds_count") == 1
+    sample = {"model_name": "m", "engine": "0", "le": "0.0025"}
+    assert registry.get_sample_value("vllm:npukv_load_wait_seconds_bucket", sample) == 0
+    sample["le"] = "0.005"
+    assert registry.get_sample_value("vllm:npukv_load_wait_seconds_bucket", sample) == 1
+
+
+def test_the_load_wait_of_a_step_is_the_slowest_workers():
+    one = NPUKVStats()
+    one.peak("load_wait_seconds", 0.010)
+    two = NPUKVStats()
+    two.peak("load_wait_seconds", 0.030)
+    assert one.aggregate(two).data["load_wait_seconds"] == 0.030
+    assert not NPUKVStats({"load_wait_seconds": 0.01}).is_empty()

@@ -349,3 +349,32 @@ def test_sibling_handles_share_one_ring_and_publish_each_namespace(
             np.testing.assert_array_equal(out[name], rows)
         assert again.check(verify_data=True) == []
     assert assert_chunks_open_with_safetensors(config.cache_dir) == 2
+
+
+def test_cached_prefix_counts_leading_blocks_in_page_cached_chunks(store):
+    keys_a, _ = put_prompt(store, range(16 * 3))  # chunk A: blocks 0-2
+    tail = store.keys_for(range(16 * 6))[3:]  # the same chain, blocks 3-5
+    store.put(tail, block_tensors(store.spec, tail))  # chunk B
+    keys = keys_a + tail
+    paths = {}
+    for root, _, files in os.walk(store.config.cache_dir):
+        paths.update(
+            {f: os.path.join(root, f) for f in files if f.endswith(".safetensors")}
+        )
+    assert len(paths) == 2
+
+    def drop(path):  # written and fsynced: its clean pages can be dropped
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+    for path in paths.values():
+        drop(path)
+    assert store.cached_prefix(keys) == 0
+    first = paths[f"{store.index.locate(keys[:1])[0][0]:016x}.safetensors"]  # A
+    with open(first, "rb") as f:  # a buffered read fills the page cache
+        f.read()
+    assert store.cached_prefix(keys) == 3  # A cached, B not: stops at B
+    assert store.cached_prefix(keys[3:]) == 0
+    assert store.cached_prefix([b"\0" * 16, *keys]) == 0  # not stored: stops

@@ -1,0 +1,162 @@
+"""Load or recompute, end to end through the connector's two halves: the
+worker measures real loads from a store slowed by injected delays (each read
+of the slow worker's store held SLOW_READ_S first: these small rows are read
+from the page cache, which NPUKV_FAULTS' engine-level delays do not touch) and
+real step times, the scheduler side decides from them, and its stats count
+each decision. No vLLM engine: its objects are the stand-ins of
+tests/unit/test_connector.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("vllm", reason="the connector needs vLLM")
+
+from npukv_store.connector.load_policy import (  # noqa: E402
+    MIN_LOAD_SAMPLES,
+    PROBE_INTERVAL_S,
+    LoadPolicy,
+)
+from npukv_store.connector.metadata import NPUKVMetadata  # noqa: E402
+from npukv_store.connector.scheduler import SchedulerSide  # noqa: E402
+from npukv_store.connector.worker import WorkerSide  # noqa: E402
+from tests.unit.test_connector import (  # noqa: E402
+    BLOCK,
+    cpu_caches,
+    engine_config,
+    make_request,
+    settings,
+    transfer,
+)
+
+BLOCKS = 8
+#: compute "costs" 1 ms a token (a sleep inside the step): recomputing the
+#: 8-block hit takes 128 ms, a slowed load (0.4 s a read) far longer, a plain
+#: load of its 48 KiB under a few ms
+PER_TOKEN_S = 1e-3
+SLOW_READ_S = 0.4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _worker(tmp_path, monkeypatch, delay_s: float = 0.0, **kw) -> WorkerSide:
+    """A worker; with ``delay_s``, each read of its store waits that long."""
+    worker = WorkerSide(*engine_config(), settings(tmp_path, **kw))
+    worker.register(cpu_caches(seed=3))
+    assert worker.disabled_reason == ""
+    for store in worker.stores if delay_s else ():
+        for name in ("read", "read_many"):
+            monkeypatch.setattr(store, name, _delayed(getattr(store, name), delay_s))
+    return worker
+
+
+def _delayed(read, delay_s: float):
+    def slow_read(*args, **kwargs):
+        time.sleep(delay_s)
+        return read(*args, **kwargs)
+
+    return slow_read
+
+
+def _step(side: SchedulerSide, worker: WorkerSide, loads=(), tokens: int = 0):
+    """One forward: the loads, then ``tokens`` of compute; its costs go back."""
+    worker.bind(NPUKVMetadata(loads=list(loads), num_scheduled_tokens=tokens))
+    worker.start_load()
+    time.sleep(tokens * PER_TOKEN_S)
+    worker.finish_step()
+    assert worker.take_load_errors() == set()
+    side.measured(*worker.take_costs())
+
+
+def _ask(side: SchedulerSide, request) -> int:
+    """The scheduler's hit for ``request`` and its load plan: blocks claimed."""
+    tokens = side.match(request, 0)
+    side.allocated(request, (list(range(1, BLOCKS + 1)),), tokens)
+    side._loads.pop(request.request_id, None)
+    return tokens // BLOCK
+
+
+def test_the_decision_follows_the_measured_load_speed(tmp_path, monkeypatch):
+    cfg = settings(tmp_path)
+    side = SchedulerSide(*engine_config(), cfg)
+    clock = Clock()
+    side.policy = LoadPolicy(cfg.load_policy, cfg.load_margin, clock=clock)
+    request = make_request("r", list(range(BLOCKS * BLOCK + 3)))
+    keys = side._keys(side._state(request), BLOCKS)[0][0]
+    ids = list(range(1, BLOCKS + 1))
+    load = [transfer(keys, ids)]
+
+    fast = _worker(tmp_path, monkeypatch)
+    fast.bind(NPUKVMetadata(saves=[transfer(keys, ids)]))
+    fast.finish_step()
+    assert fast.store is not None
+    assert fast.store.flush(timeout_s=30)
+    for tokens in (4, 16, 64) * 3:  # prefill steps that load nothing
+        _step(side, fast, tokens=tokens)
+
+    slow = _worker(tmp_path, monkeypatch, SLOW_READ_S)
+    decisions = []
+    for _ in range(MIN_LOAD_SAMPLES + 2):
+        claimed = _ask(side, request)
+        decisions.append(claimed)
+        if claimed:
+            _step(side, slow, loads=load)
+    # unmeasured: it loads; then the slow loads it measured turn it to recompute
+    assert decisions == [BLOCKS] * MIN_LOAD_SAMPLES + [0, 0]
+    stats = side.take_stats().data
+    assert stats["decided_load"] == MIN_LOAD_SAMPLES
+    assert stats["decided_recompute"] == 2
+    assert stats["declined_tokens"] == 2 * BLOCKS * BLOCK
+    assert side.policy.decide(BLOCKS, side.block_load_bytes, BLOCK).load_s > 0.4
+
+    # the disk is fast again: the next probe measures it and loads resume
+    clock.now += PROBE_INTERVAL_S
+    assert _ask(side, request) == BLOCKS
+    _step(side, fast, loads=load)
+    decisions = []
+    for _ in range(MIN_LOAD_SAMPLES + 2):
+        claimed = _ask(side, request)
+        decisions.append(claimed)
+        if claimed:
+            _step(side, fast, loads=load)
+    assert decisions == [BLOCKS] * (MIN_LOAD_SAMPLES + 2)
+    stats = side.take_stats().data
+    assert stats["decided_probe"] == 1
+    assert stats["decided_load"] == MIN_LOAD_SAMPLES + 2
+    assert stats["decided_recompute"] == 0
+    assert side.policy.measured()
+    estimate = side.policy.decide(BLOCKS, side.block_load_bytes, BLOCK)
+    assert estimate.load_s < 0.2 * estimate.recompute_s
+    for worker in (fast, slow):
+        worker.close()
+    side.close()
+
+
+def test_load_policy_always_loads_the_slow_hit(tmp_path, monkeypatch):
+    cfg = settings(tmp_path, load_policy="always")
+    side = SchedulerSide(*engine_config(), cfg)
+    request = make_request("r", list(range(BLOCKS * BLOCK + 3)))
+    keys = side._keys(side._state(request), BLOCKS)[0][0]
+    ids = list(range(1, BLOCKS + 1))
+    slow = _worker(tmp_path, monkeypatch, SLOW_READ_S / 4, load_policy="always")
+    slow.bind(NPUKVMetadata(saves=[transfer(keys, ids)]))
+    slow.finish_step()
+    assert slow.store is not None
+    assert slow.store.flush(timeout_s=30)
+    for tokens in (4, 16, 64) * 3:
+        _step(side, slow, tokens=tokens)
+    for _ in range(MIN_LOAD_SAMPLES + 1):
+        assert _ask(side, request) == BLOCKS
+        _step(side, slow, loads=[transfer(keys, ids)])
+    assert side.take_stats().data["decided_load"] == MIN_LOAD_SAMPLES + 1
+    slow.close()
+    side.close()
