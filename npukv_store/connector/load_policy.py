@@ -27,12 +27,15 @@ docs/design.md §24 has the model and the reasons for its constants.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 #: samples kept per model, and the half-life of their weight in samples: the
 #: fit follows a disk that turns busy (or idle) within a few loads
@@ -202,6 +205,8 @@ class LoadPolicy:
         #: a probe is out: tokens per byte of the hit it loads (to price the
         #: recompute of the load sample it yields)
         self._probe_tokens_per_byte = 0.0
+        self._declining = False  # the last turn logged (see _log_turn)
+        self._turn_logged = -1e9
 
     def observe_loads(self, samples: Iterable[tuple[float, int, int]]) -> None:
         for seconds, cached, disk in samples:
@@ -237,6 +242,33 @@ class LoadPolicy:
         ``cached_head()`` how many leading blocks the page cache holds: asked
         only when loading the whole hit does not pay, to try its head.
         """
+        decision = self._decide(blocks, block_bytes, block_tokens, cached_head)
+        if decision.kind in (LOAD, RECOMPUTE):
+            self._log_turn(decision)
+        return decision
+
+    def _log_turn(self, decision: Decision) -> None:
+        """One line when the policy turns from loading hits to declining them
+        or back (at most one a minute): the operator sees why hits stopped."""
+        declining = decision.kind == RECOMPUTE
+        now = self._clock()
+        if declining == self._declining or now - self._turn_logged < 60.0:
+            return
+        self._declining, self._turn_logged = declining, now
+        logger.info(
+            "npukv_store: load policy: %s (a hit's load expected %.1f ms, its "
+            "recompute %.1f ms, margin %.2f)",
+            "declining hits, recomputing them" if declining else "loading hits",
+            decision.load_s * 1e3, decision.recompute_s * 1e3, self.margin,
+        )  # fmt: skip
+
+    def _decide(
+        self,
+        blocks: int,
+        block_bytes: int,
+        block_tokens: int,
+        cached_head: Callable[[], int] | None,
+    ) -> Decision:
         if blocks <= 0:
             return Decision(0, RECOMPUTE)
         if self.mode == "always" or not self.measured():

@@ -8,6 +8,7 @@ tests/unit/test_connector.py."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -85,7 +86,8 @@ def _ask(side: SchedulerSide, request) -> int:
     return tokens // BLOCK
 
 
-def test_the_decision_follows_the_measured_load_speed(tmp_path, monkeypatch):
+def test_the_decision_follows_the_measured_load_speed(tmp_path, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="npukv_store.connector.load_policy")
     cfg = settings(tmp_path)
     side = SchedulerSide(*engine_config(), cfg)
     clock = Clock()
@@ -117,6 +119,9 @@ def test_the_decision_follows_the_measured_load_speed(tmp_path, monkeypatch):
     assert stats["decided_recompute"] == 2
     assert stats["declined_tokens"] == 2 * BLOCKS * BLOCK
     assert side.policy.decide(BLOCKS, side.block_load_bytes, BLOCK).load_s > 0.4
+    turns = [r.getMessage() for r in caplog.records if "load policy" in r.getMessage()]
+    assert len(turns) == 1
+    assert "declining hits" in turns[0]
 
     # the disk is fast again: the next probe measures it and loads resume
     clock.now += PROBE_INTERVAL_S
