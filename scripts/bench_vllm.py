@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_harness import BLOCK_SIZE, WARMUP_TOKENS  # scripts/, next to this file
+from vllm_harness import BLOCK_SIZE, WARMUP_TOKENS, ensure_model  # scripts/
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = str(ROOT / "scripts" / "vllm_harness.py")
@@ -108,11 +108,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     model = work / "model"
-    if not (model / "config.json").exists():
-        subprocess.run(
-            [sys.executable, HARNESS, "build-model", str(model), *model_shape],
-            check=True, capture_output=True,
-        )  # fmt: skip
+    ensure_model(model, model_shape)
     rng = random.Random(11)
     prompts = [
         [rng.randrange(3, 2048) for _ in range(prompt_tokens)]

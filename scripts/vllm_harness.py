@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from typing import Any
@@ -87,6 +88,18 @@ def build_model(
         tokenizer_object=tokenizer, unk_token="<unk>", eos_token="w1", bos_token="w2"
     )
     fast.save_pretrained(path)
+
+
+def ensure_model(path: str | os.PathLike[str], shape: list[str]) -> None:
+    """``build-model path *shape`` in a subprocess (the caller need not import
+    torch and transformers), unless ``path`` holds a model already: the
+    benchmarks' model, built once per work directory."""
+    if not os.path.exists(os.path.join(path, "config.json")):
+        here = os.path.abspath(__file__)
+        subprocess.run(
+            [sys.executable, here, "build-model", str(path), *shape],
+            check=True, capture_output=True,
+        )  # fmt: skip
 
 
 def build_family(path: str, family: str, seed: int) -> None:

@@ -32,6 +32,7 @@ from tests.unit.test_connector import (  # noqa: E402
     settings,
     transfer,
 )
+from tests.unit.test_load_policy import Clock  # noqa: E402
 
 BLOCKS = 8
 #: compute "costs" 1 ms a token (a sleep inside the step): recomputing the
@@ -39,14 +40,6 @@ BLOCKS = 8
 #: load of its 48 KiB under a few ms
 PER_TOKEN_S = 1e-3
 SLOW_READ_S = 0.4
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _worker(tmp_path, monkeypatch, delay_s: float = 0.0, **kw) -> WorkerSide:
@@ -86,6 +79,27 @@ def _ask(side: SchedulerSide, request) -> int:
     return tokens // BLOCK
 
 
+def _save_and_compute(side: SchedulerSide, worker: WorkerSide, blocks) -> None:
+    """Store ``blocks`` (the transfers a hit loads), then run prefill steps
+    that load nothing, so the policy knows what compute costs."""
+    worker.bind(NPUKVMetadata(saves=list(blocks)))
+    worker.finish_step()
+    assert worker.store is not None
+    assert worker.store.flush(timeout_s=30)
+    for tokens in (4, 16, 64) * 3:
+        _step(side, worker, tokens=tokens)
+
+
+def _serve_hits(side, worker, request, load, times: int) -> list[int]:
+    """Ask ``times`` for the hit of ``request``; load what is claimed."""
+    claims = []
+    for _ in range(times):
+        claims.append(_ask(side, request))
+        if claims[-1]:
+            _step(side, worker, loads=load)
+    return claims
+
+
 def test_the_decision_follows_the_measured_load_speed(tmp_path, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="npukv_store.connector.load_policy")
     cfg = settings(tmp_path)
@@ -98,20 +112,10 @@ def test_the_decision_follows_the_measured_load_speed(tmp_path, monkeypatch, cap
     load = [transfer(keys, ids)]
 
     fast = _worker(tmp_path, monkeypatch)
-    fast.bind(NPUKVMetadata(saves=[transfer(keys, ids)]))
-    fast.finish_step()
-    assert fast.store is not None
-    assert fast.store.flush(timeout_s=30)
-    for tokens in (4, 16, 64) * 3:  # prefill steps that load nothing
-        _step(side, fast, tokens=tokens)
+    _save_and_compute(side, fast, load)
 
     slow = _worker(tmp_path, monkeypatch, SLOW_READ_S)
-    decisions = []
-    for _ in range(MIN_LOAD_SAMPLES + 2):
-        claimed = _ask(side, request)
-        decisions.append(claimed)
-        if claimed:
-            _step(side, slow, loads=load)
+    decisions = _serve_hits(side, slow, request, load, MIN_LOAD_SAMPLES + 2)
     # unmeasured: it loads; then the slow loads it measured turn it to recompute
     assert decisions == [BLOCKS] * MIN_LOAD_SAMPLES + [0, 0]
     stats = side.take_stats().data
@@ -127,12 +131,7 @@ def test_the_decision_follows_the_measured_load_speed(tmp_path, monkeypatch, cap
     clock.now += PROBE_INTERVAL_S
     assert _ask(side, request) == BLOCKS
     _step(side, fast, loads=load)
-    decisions = []
-    for _ in range(MIN_LOAD_SAMPLES + 2):
-        claimed = _ask(side, request)
-        decisions.append(claimed)
-        if claimed:
-            _step(side, fast, loads=load)
+    decisions = _serve_hits(side, fast, request, load, MIN_LOAD_SAMPLES + 2)
     assert decisions == [BLOCKS] * (MIN_LOAD_SAMPLES + 2)
     stats = side.take_stats().data
     assert stats["decided_probe"] == 1
@@ -153,15 +152,10 @@ def test_load_policy_always_loads_the_slow_hit(tmp_path, monkeypatch):
     keys = side._keys(side._state(request), BLOCKS)[0][0]
     ids = list(range(1, BLOCKS + 1))
     slow = _worker(tmp_path, monkeypatch, SLOW_READ_S / 4, load_policy="always")
-    slow.bind(NPUKVMetadata(saves=[transfer(keys, ids)]))
-    slow.finish_step()
-    assert slow.store is not None
-    assert slow.store.flush(timeout_s=30)
-    for tokens in (4, 16, 64) * 3:
-        _step(side, slow, tokens=tokens)
-    for _ in range(MIN_LOAD_SAMPLES + 1):
-        assert _ask(side, request) == BLOCKS
-        _step(side, slow, loads=[transfer(keys, ids)])
+    load = [transfer(keys, ids)]
+    _save_and_compute(side, slow, load)
+    hits = _serve_hits(side, slow, request, load, MIN_LOAD_SAMPLES + 1)
+    assert hits == [BLOCKS] * (MIN_LOAD_SAMPLES + 1)
     assert side.take_stats().data["decided_load"] == MIN_LOAD_SAMPLES + 1
     slow.close()
     side.close()
