@@ -135,10 +135,16 @@ class LoadCosts:
             self._fit = (float(fixed), float(per_cached), float(per_disk), blended)
         return self._fit
 
-    def seconds(self, nbytes: int, cached_bytes: int | None = None) -> float:
+    def seconds(
+        self, nbytes: int, cached_bytes: int | None = None, *, joins: bool = False
+    ) -> float:
         """Expected seconds to load ``nbytes``, of which ``cached_bytes`` are
-        in the page cache (None: unknown, priced at the recent mix)."""
+        in the page cache (None: unknown, priced at the recent mix). ``joins``:
+        the load joins a step's load already planned, whose fixed cost that
+        one pays (a step's loads run as one job)."""
         fixed, per_cached, per_disk, blended = self.fitted()
+        if joins:
+            fixed = 0.0
         if cached_bytes is None:
             return fixed + nbytes * blended
         cached_bytes = min(cached_bytes, nbytes)
@@ -235,14 +241,18 @@ class LoadPolicy:
         block_bytes: int,
         block_tokens: int,
         cached_head: Callable[[], int] | None = None,
+        *,
+        joins: bool = False,
     ) -> Decision:
         """How many of a hit's ``blocks`` leading blocks to load.
 
         ``block_bytes`` is what one block costs to read (one worker's part),
         ``cached_head()`` how many leading blocks the page cache holds: asked
         only when loading the whole hit does not pay, to try its head.
+        ``joins``: this step already loads another hit, so this one adds its
+        bytes but not the fixed cost of a load.
         """
-        decision = self._decide(blocks, block_bytes, block_tokens, cached_head)
+        decision = self._decide(blocks, block_bytes, block_tokens, cached_head, joins)
         if decision.kind in (LOAD, RECOMPUTE):
             self._log_turn(decision)
         return decision
@@ -268,6 +278,7 @@ class LoadPolicy:
         block_bytes: int,
         block_tokens: int,
         cached_head: Callable[[], int] | None,
+        joins: bool,
     ) -> Decision:
         if blocks <= 0:
             return Decision(0, RECOMPUTE)
@@ -275,13 +286,14 @@ class LoadPolicy:
             return Decision(blocks, LOAD)
         per_token = self.compute.per_token()
         recompute_s = blocks * block_tokens * per_token
-        load_s = self.loads.seconds(blocks * block_bytes)
+        load_s = self.loads.seconds(blocks * block_bytes, joins=joins)
         limit = 1.0 + self.margin
         if load_s <= limit * recompute_s:
             return Decision(blocks, LOAD, load_s, recompute_s)
         head = cached_head() if cached_head is not None else 0
         if 0 < head < blocks:
-            head_load = self.loads.seconds(head * block_bytes, head * block_bytes)
+            head_bytes = head * block_bytes
+            head_load = self.loads.seconds(head_bytes, head_bytes, joins=joins)
             head_recompute = head * block_tokens * per_token
             if head_load <= limit * head_recompute:
                 return Decision(head, SHORTER, head_load, head_recompute)

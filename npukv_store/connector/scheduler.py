@@ -247,9 +247,12 @@ class SchedulerSide:
                 assert self.store is not None
                 return self.store.cached_prefix(chain[local:found])
 
+        # loads allocated earlier in this scheduling pass: one job with ours
+        joins = bool(self._loads)
         return self.policy.decide(
-            found - local, self.block_load_bytes, self.block_size, cached_head
-        )
+            found - local, self.block_load_bytes, self.block_size, cached_head,
+            joins=joins,
+        )  # fmt: skip
 
     def measured(
         self,

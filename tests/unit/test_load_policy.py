@@ -130,6 +130,16 @@ def test_a_fixed_cost_makes_short_prefixes_recompute_and_long_ones_load():
     assert long.recompute_s == pytest.approx(0.0512)
 
 
+def test_a_hit_joining_a_steps_load_pays_no_fixed_cost():
+    # alone, 2 blocks pay the 20 ms fixed cost: recompute (6.4 ms) wins; in a
+    # step that loads another hit already, they add 2 ms of bytes: load
+    policy = measured_policy(0.020, 1e-3 / BLOCK_BYTES, 1e-4)
+    assert policy.decide(2, BLOCK_BYTES, BLOCK_TOKENS).kind == RECOMPUTE
+    joined = policy.decide(2, BLOCK_BYTES, BLOCK_TOKENS, joins=True)
+    assert (joined.kind, joined.blocks) == (LOAD, 2)
+    assert joined.load_s == pytest.approx(0.002)
+
+
 def test_a_shorter_prefix_is_the_page_cached_head():
     policy = measured_policy(0.0, 1e-3 / BLOCK_BYTES, 1e-4)
     # disk reads cost 10 ms a block, cache reads 1 ms: recompute (3.2 ms) wins
