@@ -237,6 +237,8 @@ GARBLED = {
     "prefetch_depth": ("two", "prefetch_depth: found 'two'"),
     "save_decode": ("2", "save_decode: found '2'"),
     "load_without_prefix_caching": ("perhaps", "load_without_prefix_caching"),
+    "load_policy": ("never", "load_policy: found 'never'"),
+    "load_margin": ("-0.5", "load_margin: found -0.5"),
     "sliding_save": ("some", "sliding_save: found 'some'"),
     "namespace_extra": (5, "namespace_extra: found 5"),
     "index_map_size": ("1KiB", "index_map_size: found 1024 bytes"),
