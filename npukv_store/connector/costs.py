@@ -77,6 +77,7 @@ class CostMeter:
         del self._pending[:-_MAX_PENDING]
 
     def load_started(self) -> tuple[int, int]:
+        """The read counters a load's :meth:`load_done` subtracts."""
         return read_bytes(self._stores)
 
     def load_done(self, before: tuple[int, int], seconds: float) -> None:

@@ -320,14 +320,9 @@ class KVStore:
         chunks = {loc[0] for loc in self.index.locate(keys) if loc is not None}
         hinted = 0
         for chunk_id in chunks:
-            record = self.index.chunk(chunk_id)
-            if record is None:
+            fd = self._open_chunk(chunk_id)
+            if fd is None:
                 continue
-            path = self.dir.chunk_path(record.namespace.hex(), chunk_id)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue  # evicted meanwhile: the read will miss
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
                 hinted += 1
@@ -356,15 +351,22 @@ class KVStore:
             count += 1
         return count
 
-    def _mostly_cached(self, chunk_id: int) -> bool:
+    def _open_chunk(self, chunk_id: int) -> int | None:
+        """A read-only fd of a published chunk's file; None where it is gone
+        (evicted meanwhile: its read will miss)."""
         record = self.index.chunk(chunk_id)
         if record is None:
-            return False
+            return None
         path = self.dir.chunk_path(record.namespace.hex(), chunk_id)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            return os.open(path, os.O_RDONLY)
         except OSError:
-            return False  # evicted meanwhile: its read will miss
+            return None
+
+    def _mostly_cached(self, chunk_id: int) -> bool:
+        fd = self._open_chunk(chunk_id)
+        if fd is None:
+            return False
         try:
             size = os.fstat(fd).st_size
             cached = int(native.cached_pages(fd, np.array([[0, size]]))[0])
