@@ -46,6 +46,8 @@ from npukv_store.store.check import check_store
 from npukv_store.store.directory import MARKER, CacheDir
 from npukv_store.store.format import parse_header
 from npukv_store.store.index import Index
+from npukv_store.store.read_plan import ReadTuning, whole_chunk_plan
+from npukv_store.store.read_routes import ChunkFiles
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -111,9 +113,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         parents = Path(args.cache_dir).resolve().parents  # <dir>/<ns>/chunks/x
         guess = parents[min(2, len(parents) - 1)]
         root = str(guess) if (guess / MARKER).is_file() else None
-        report = inspect_chunk(args.cache_dir, root, args.keys)
+        report = inspect_chunk(args.cache_dir, root, args.keys, args.plan)
     elif os.path.isfile(args.what):
-        report = inspect_chunk(args.what, args.cache_dir, args.keys)
+        report = inspect_chunk(args.what, args.cache_dir, args.keys, args.plan)
     else:
         cdir, index, _ = open_dir(args.cache_dir)
         try:
@@ -127,13 +129,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def inspect_chunk(path: str, root: str | None, keys: int) -> dict[str, Any]:
-    """The chunk report of ``path``, with live rows when ``root``'s index has it."""
+def inspect_chunk(
+    path: str, root: str | None, keys: int, plan: bool = False
+) -> dict[str, Any]:
+    """The chunk report of ``path``, with live rows when ``root``'s index has
+    it, and with ``plan`` how a server's first read of all of it would go now
+    (default tuning, O_DIRECT on, verified)."""
     fd = os.open(path, os.O_RDONLY)
+    files = ChunkFiles(path, fd, direct=True)
     try:
         header = parse_header(fd, path)
+        read_plan = (
+            whole_chunk_plan(
+                header, files.residency, ReadTuning(), first_read=True, verify=True
+            )
+            if plan
+            else None
+        )
     finally:
-        os.close(fd)
+        files.close()
     match = _CHUNK_NAME.match(os.path.basename(path))
     live = None
     if match and root is not None:
@@ -143,7 +157,10 @@ def inspect_chunk(path: str, root: str | None, keys: int) -> dict[str, Any]:
         finally:
             index.close()
         live = None if record is None else record.live_rows
-    return render.chunk_report(header, match and match.group(1), live, keys)
+    report = render.chunk_report(header, match and match.group(1), live, keys)
+    if read_plan is not None:
+        report["read_plan"] = read_plan.explain().splitlines()
+    return report
 
 
 def find_namespace(cdir: CacheDir, index: Index, prefix: str) -> str:
@@ -288,6 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_cmd.add_argument("--json", action="store_true", help="one JSON object")
     inspect_cmd.add_argument(
         "--keys", type=int, default=4, metavar="N", help="chunk keys to list"
+    )
+    inspect_cmd.add_argument(
+        "--plan",
+        action="store_true",
+        help="chunk file: how a first read of all of it would go now (each "
+        "layer's route and why, from the page cache's residency)",
     )
     verify = command("verify", cmd_verify)
     verify.add_argument(

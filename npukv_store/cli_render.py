@@ -386,11 +386,15 @@ def chunk_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:
         for name, dtype, shape, begin, end in entries
     ]
     keys = [[str(row), key] for row, key in enumerate(report["keys"])]
-    return [
+    sections: list[Pairs | Table] = [
         Pairs(f"chunk {report['chunk_id'] or '?'}", pairs),
         Table("tensors", ["tensor", "dtype", "shape", "file offsets"], tensors),
         Table(f"first {len(keys)} keys", ["row", "key"], keys),
     ]
+    if "read_plan" in report:
+        lines = [[line] for line in report["read_plan"]]
+        sections.append(Table("read plan (first read, now)", ["route"], lines))
+    return sections
 
 
 def emit(sections: Sequence[Pairs | Table], out: TextIO | None = None) -> None:

@@ -86,7 +86,6 @@ one 2 MiB put pass and one cold read pass.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import json
 import os
@@ -111,7 +110,8 @@ from npukv_store.config import StoreConfig
 from npukv_store.io.direct import aligned_buffer, open_direct
 from npukv_store.native import sync_file_range_write
 from npukv_store.spec import LayerSpec, NamespaceSpec, PartSpec
-from npukv_store.store import KVStore, chunk_reader
+from npukv_store.store import KVStore
+from npukv_store.store.read_plan import ReadTuning
 
 MIB = 1 << 20
 BATCH_BYTES = 64 * MIB  # one chunk / one LMDB commit / one fsync group
@@ -365,6 +365,7 @@ def open_store(
     total: int,
     verify: str = "always",
     direct_io: bool = True,
+    tuning: ReadTuning | None = None,
 ) -> KVStore:
     config = StoreConfig(
         cache_dir=str(path),
@@ -372,20 +373,7 @@ def open_store(
         verify=verify,
         direct_io=direct_io,
     )
-    return KVStore(config, spec)
-
-
-@contextlib.contextmanager
-def stream_every_layer(on: bool) -> Iterator[None]:
-    """``on``: every buffered layer the cache does not hold is streamed, not
-    only those in segments over one engine request (docs/design.md §19)."""
-    saved = chunk_reader._STREAM_ABOVE_BYTES
-    if on:
-        chunk_reader._STREAM_ABOVE_BYTES = 0
-    try:
-        yield
-    finally:
-        chunk_reader._STREAM_ABOVE_BYTES = saved
+    return KVStore(config, spec, read_tuning=tuning)
 
 
 def ours_write(ctx: Context, store: KVStore, keys: list[bytes]) -> float:
@@ -600,15 +588,18 @@ def run_ours(best: Best, ctx: Context, block: int) -> None:
             ("ours_buffered_stream", "always", ours_read_all, False, True),
         )
         for name, verify, read, direct_io, stream_all in extra:
+            # stream_all: every buffered layer the cache does not hold is
+            # streamed, not only those in segments over one engine request
+            tuning = ReadTuning(stream_above_bytes=0) if stream_all else None
             handle = open_store(
-                path, spec_for(block), ctx.total, verify=verify, direct_io=direct_io
-            )
+                path, spec_for(block), ctx.total, verify=verify,
+                direct_io=direct_io, tuning=tuning,
+            )  # fmt: skip
             try:
-                with stream_every_layer(stream_all):
-                    read_twice(
-                        best, ctx, name, block, path,
-                        lambda: read(ctx, handle, keys), True,  # noqa: B023 - now
-                    )  # fmt: skip
+                read_twice(
+                    best, ctx, name, block, path,
+                    lambda: read(ctx, handle, keys), True,  # noqa: B023 - now
+                )  # fmt: skip
             finally:
                 handle.close()
     shutil.rmtree(path)

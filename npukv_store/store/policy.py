@@ -4,14 +4,14 @@ the page cache. Pure functions, no I/O, no LMDB.
 Runs in: any process. The index calls the eviction rule inside its single write
 transaction (so the choice and the removal are one atomic step); the
 maintenance job calls the compaction rules; the chunk reader calls the
-admission rules. Keeping them here means one rule for the writer and for
-maintenance, and tests that need no index.
+admission rule (the read thresholds are in ``read_plan.ReadTuning``). Keeping
+them here means one rule for the writer and for maintenance, and tests that
+need no index.
 
     pick_victims()        - oldest chunks that cover an excess, sparing the young
     excess_bytes()        - bytes over a target fraction of capacity
     rewrite_candidates()  - chunks whose live fraction is below a threshold
     merge_groups()        - small chunks of one namespace, grouped up to a target
-    read_around_cache()   - whether a range is read with O_DIRECT
     admit_on_read()       - whether a read of a chunk may fill the page cache
 """
 
@@ -147,17 +147,6 @@ def dead_bytes(chunk: ChunkFacts) -> int:
 
 
 # -- page-cache admission ----------------------------------------------------------
-
-#: A range with at least this share of its pages cached is read buffered: the
-#: copy from the cache beats a device read (docs/design.md §12).
-CACHED_SHARE = 0.5
-
-
-def read_around_cache(cached_share: float, aligned: bool) -> bool:
-    """Whether a range is read with O_DIRECT: only an aligned range that the
-    page cache mostly lacks (O_DIRECT needs alignment; a cached range is
-    cheaper to copy than to read again)."""
-    return aligned and cached_share < CACHED_SHARE
 
 
 def admit_on_read(read_before: bool) -> bool:

@@ -36,7 +36,7 @@ from npukv_store.config import StoreConfig
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
 from npukv_store.io.writer import Event
 from npukv_store.spec import NamespaceSpec
-from npukv_store.store import policy, recovery
+from npukv_store.store import recovery
 from npukv_store.store.arrays import DestRows, GroupedRows, input_rows, output_rows
 from npukv_store.store.chunk_reader import ChunkReader
 from npukv_store.store.chunk_writer import write_chunk
@@ -44,6 +44,7 @@ from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.index import ChunkRecord
 from npukv_store.store.publish import Publisher
+from npukv_store.store.read_plan import ChunkReadPlan, ReadTuning
 from npukv_store.store.saver import AsyncSaver, SaveTarget, StagedBatch
 from npukv_store.store.stats import PutResult, StoreCounters, StoreStats
 from npukv_store.store.touches import TouchRecorder
@@ -95,6 +96,7 @@ class KVStore:
         config: StoreConfig,
         spec: NamespaceSpec,
         *,
+        read_tuning: ReadTuning | None = None,
         _parent: KVStore | None = None,
     ) -> None:
         self.config = config
@@ -112,6 +114,7 @@ class KVStore:
             self.dir, spec, self.namespace, self.counters,
             verify=config.verify == "always", engine_kind=config.io_engine,
             queue_depth=config.io_queue_depth, direct=config.direct_io,
+            tuning=read_tuning,
         )  # fmt: skip
         self.touches = TouchRecorder(lambda: self.index)
         self._closed = threading.Event()
@@ -151,7 +154,7 @@ class KVStore:
         ``ring_size`` stays the process's budget. Close siblings before or
         after this handle, in any order.
         """
-        return KVStore(self.config, spec, _parent=self)
+        return KVStore(self.config, spec, read_tuning=self._reader.tuning, _parent=self)
 
     def keys_for(
         self, tokens: Sequence[int] | np.ndarray, extra: bytes = b""
@@ -332,9 +335,15 @@ class KVStore:
                 os.close(fd)
         return hinted
 
+    def read_plan(self, chunk_id: int) -> ChunkReadPlan | None:
+        """How a read of all of ``chunk_id`` would go now (``npukv inspect
+        --plan``): each layer's route and why; None where it cannot be read."""
+        self._check_fork()
+        return self._reader.plan(chunk_id)
+
     def cached_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are stored in chunk files the page cache
-        mostly holds (``policy.CACHED_SHARE`` of their pages): the part of a
+        mostly holds (``ReadTuning.cached_share`` of their pages): the part of a
         hit that loads at memory speed. Stops at the first other key. One
         cachestat (or mincore) per chunk file; never reads data."""
         self._check_fork()
@@ -375,7 +384,7 @@ class KVStore:
         finally:
             os.close(fd)
         pages = -(-size // mmap.PAGESIZE)
-        return pages > 0 and cached / pages >= policy.CACHED_SHARE
+        return pages > 0 and cached / pages >= self._reader.tuning.cached_share
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything put_async'ed so far is published (visible to

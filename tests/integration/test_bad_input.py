@@ -16,7 +16,7 @@ from npukv_store import (
     StoreConfig,
     VersionMismatch,
 )
-from tests.conftest import block_tensors, empty_like_blocks, tiny_spec
+from tests.support.blocks import block_tensors, empty_like_blocks, tiny_spec
 
 
 def only_chunk(root, namespace):

@@ -18,7 +18,7 @@ from npukv_store import KVStore, StoreConfig
 from npukv_store.store import chunk_writer
 from npukv_store.store import store as store_module
 from npukv_store.store.claims import CLAIM_TTL_S, ClaimTable
-from tests.conftest import block_tensors, tiny_spec
+from tests.support.blocks import block_tensors, tiny_spec
 
 CTX = mp.get_context("spawn")
 

@@ -17,14 +17,14 @@ import pytest
 from npukv_store import KVStore, StoreConfig, cli_render
 from npukv_store.cli import main
 from npukv_store.store.format import parse_header
-from tests.conftest import block_tensors, tiny_spec
+from tests.support.blocks import block_tensors, tiny_spec
 
 REPO = Path(__file__).resolve().parents[2]
 # Another server: puts tokens [start, stop) into a directory, then exits.
 CHILD_PUT = """
 import sys
 from npukv_store import KVStore, StoreConfig
-from tests.conftest import block_tensors, tiny_spec
+from tests.support.blocks import block_tensors, tiny_spec
 root, start, stop = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 with KVStore(StoreConfig(cache_dir=root), tiny_spec()) as store:
     keys = store.keys_for(range(start, stop))
@@ -177,6 +177,28 @@ def test_inspect_namespace_and_chunk(tmp_path, capsys):
     assert old_form["live_rows"] == 4  # its directory found from its path
     assert main(["inspect", chunk]) == 0
     assert "U64 [4 rows x 3 layers]" in capsys.readouterr().out
+
+
+def test_inspect_plan_shows_each_route_and_why(tmp_path, capsys):
+    """A chunk the page cache holds is read from it; dropped from the cache,
+    its first read would go around it (tiny rows: unaligned, so buffered)."""
+    root = str(tmp_path / "c")
+    _, chunk = fill(root)
+    assert "read_plan" not in run_json(capsys, "inspect", root, chunk)
+    fd = os.open(chunk, os.O_RDONLY)
+    try:
+        os.pread(fd, os.fstat(fd).st_size, 0)  # every page in the cache
+        warm = run_json(capsys, "inspect", root, chunk, "--plan")["read_plan"]
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        cold = run_json(capsys, "inspect", root, chunk, "--plan")["read_plan"]
+    finally:
+        os.close(fd)
+    assert warm[0].startswith("cached   layers 0-2")
+    assert "wholly in the page cache" in warm[0]
+    if not any(line.startswith("cached") for line in cold):  # not tmpfs
+        assert cold[0].startswith("engine   layers 0-2")
+    assert main(["inspect", root, chunk, "--plan"]) == 0
+    assert "read plan (first read, now)" in capsys.readouterr().out
 
 
 def test_verify_fast_skips_data_checksums_only(tmp_path, capsys):

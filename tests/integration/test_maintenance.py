@@ -20,7 +20,7 @@ from npukv_store import KVStore, StoreConfig
 from npukv_store.maintenance import Options, run
 from npukv_store.store.chunk_writer import write_chunk
 from npukv_store.store.index import ChunkRecord
-from tests.conftest import block_tensors, empty_like_blocks, tiny_spec
+from tests.support.blocks import block_tensors, empty_like_blocks, tiny_spec
 
 REPO = Path(__file__).resolve().parents[2]
 CTX = mp.get_context("spawn")

@@ -28,7 +28,7 @@ from npukv_store.store.format import (
     build_chunk,
     parse_header,
 )
-from tests.conftest import block_tensors, empty_like_blocks, tiny_spec
+from tests.support.blocks import block_tensors, empty_like_blocks, tiny_spec
 
 SPEC = tiny_spec()
 NS = "ab" * 16

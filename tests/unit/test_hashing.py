@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
-from tests.conftest import tiny_spec
+from tests.support.blocks import tiny_spec
 
 GOLDEN_NS = b"\x00" * 16
 GOLDEN = [

@@ -14,7 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from npukv_store import KVStore, StoreConfig
 from npukv_store.hashing import chain_hashes
-from tests.conftest import block_tensors, empty_like_blocks, tiny_spec
+from tests.support.blocks import block_tensors, empty_like_blocks, tiny_spec
 
 SPEC = tiny_spec(num_layers=2)
 UNIVERSE = chain_hashes(range(16 * 24), 16, b"universe")  # 24 chained keys

@@ -14,7 +14,7 @@ RANK = {
     "errors": 0, "spec": 0, "config": 1,
     "hashing": 2, "layout": 2, "store": 2, "io": 2, "device": 2,
     "maintenance": 3, "cli": 4, "cli_render": 4, "connector": 5, "_native": 0,
-    "native": 0,
+    "native": 0, "_twin": 0,
     "liveness": 0,
 }  # fmt: skip
 HEAVY = {"torch", "vllm", "torch_npu", "vllm_ascend"}
@@ -59,7 +59,7 @@ sys.modules["vllm"] = None
 import numpy as np
 from npukv_store import KVStore, StoreConfig
 sys.path.insert(0, {str(PACKAGE.parent)!r})
-from tests.conftest import tiny_spec, block_tensors, empty_like_blocks
+from tests.support.blocks import tiny_spec, block_tensors, empty_like_blocks
 store = KVStore(StoreConfig(cache_dir={str(tmp_path / "c")!r}), tiny_spec())
 keys = store.keys_for(range(64))
 store.put(keys, block_tensors(store.spec, keys))

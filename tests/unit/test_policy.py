@@ -132,6 +132,3 @@ def test_merge_groups_leaves_large_and_lone_full_chunks_alone():
 def test_admission_the_second_read_fills_the_page_cache():
     assert policy.admit_on_read(read_before=False) is False
     assert policy.admit_on_read(read_before=True) is True
-    assert policy.read_around_cache(0.0, aligned=True)
-    assert not policy.read_around_cache(0.0, aligned=False)
-    assert not policy.read_around_cache(policy.CACHED_SHARE, aligned=True)

@@ -15,7 +15,7 @@ from npukv_store import ConfigError, KVStore, NamespaceMismatch, StoreConfig
 from npukv_store.hashing import chain_hashes
 from npukv_store.store.directory import HOST
 from npukv_store.store.format import build_chunk
-from tests.conftest import (
+from tests.support.blocks import (
     assert_chunks_open_with_safetensors,
     block_tensors,
     empty_like_blocks,
@@ -240,16 +240,16 @@ def test_concurrent_first_open_of_a_fresh_directory(tmp_path, spec):
 
 @pytest.mark.parametrize("in_flight", [1, 2, 4])
 def test_one_read_over_many_chunks_misses_only_the_corrupt_rows(
-    tmp_path, spec, monkeypatch, in_flight
+    tmp_path, spec, in_flight
 ):
     """A read spanning six chunks (keys interleaved across them) goes through
     several chunks at once; a corrupt row in one chunk is a miss for its key
     only, every other row comes back exact, and that chunk is quarantined."""
-    from npukv_store.store import chunk_reader
+    from npukv_store.store.read_plan import ReadTuning
 
-    monkeypatch.setattr(chunk_reader, "_CHUNKS_IN_FLIGHT", in_flight)
     config = StoreConfig(cache_dir=str(tmp_path / "c"), capacity="64MiB")
-    with KVStore(config, spec) as store:
+    tuning = ReadTuning(chunks_in_flight=in_flight)
+    with KVStore(config, spec, read_tuning=tuning) as store:
         keys = []
         for prompt in range(6):
             chunk_keys, result = put_prompt(

@@ -13,7 +13,7 @@ import pytest
 
 from npukv_store import KVStore, StoreConfig
 from npukv_store.store import saver
-from tests.conftest import block_tensors, empty_like_blocks
+from tests.support.blocks import block_tensors, empty_like_blocks
 
 
 @pytest.fixture

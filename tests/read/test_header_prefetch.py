@@ -11,7 +11,8 @@ import pytest
 
 from npukv_store import KVStore, StoreConfig
 from npukv_store.store import chunk_reader
-from tests.conftest import block_tensors, empty_like_blocks
+from npukv_store.store.read_plan import ReadTuning
+from tests.support.blocks import block_tensors, empty_like_blocks
 
 
 def store_six_chunks(path, spec) -> list[bytes]:
@@ -30,7 +31,6 @@ def test_every_header_is_parsed_once_and_before_any_data(
     tmp_path, spec, monkeypatch, in_flight
 ):
     keys = store_six_chunks(tmp_path / "c", spec)
-    monkeypatch.setattr(chunk_reader, "_CHUNKS_IN_FLIGHT", in_flight)
     events: list[str] = []
     parse = chunk_reader.parse_header
     read_layers = chunk_reader.ChunkReader._read_layers
@@ -46,7 +46,9 @@ def test_every_header_is_parsed_once_and_before_any_data(
     monkeypatch.setattr(chunk_reader, "parse_header", logged_parse)
     monkeypatch.setattr(chunk_reader.ChunkReader, "_read_layers", logged_read_layers)
     config = StoreConfig(cache_dir=str(tmp_path / "c"), capacity="64MiB")
-    with KVStore(config, spec) as store:  # a fresh handle: no header cached
+    tuning = ReadTuning(chunks_in_flight=in_flight)
+    # a fresh handle: no header cached
+    with KVStore(config, spec, read_tuning=tuning) as store:
         order = np.random.default_rng(in_flight).permutation(len(keys))
         shuffled = [keys[i] for i in order]
         out = empty_like_blocks(spec, len(shuffled))

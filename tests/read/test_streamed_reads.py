@@ -13,31 +13,27 @@ import numpy as np
 import pytest
 
 from npukv_store import KVStore, StoreConfig
-from npukv_store.store import chunk_reader
+from npukv_store.store import read_routes
 from npukv_store.store.format import parse_header
-from tests.conftest import block_tensors
-from tests.unit import test_direct_reads
-from tests.unit.test_direct_reads import (
+from npukv_store.store.read_plan import ReadTuning
+from tests.support.blocks import block_tensors
+from tests.support.chunks import (
     BLOCKS,
     aligned_out,
     chunk_files,
     evict_from_page_cache,
 )
 
-stored = test_direct_reads.stored  # the fixture: the same 64 blocks, stored
-
 
 @pytest.fixture(params=[True, False], ids=["streamed", "engine"])
-def streaming(request, monkeypatch):
+def streaming(request) -> ReadTuning:
     """Streaming on (for segments of any size here) or off."""
-    monkeypatch.setattr(chunk_reader, "_STREAM_UNCACHED", request.param)
-    monkeypatch.setattr(chunk_reader, "_STREAM_ABOVE_BYTES", 0)
-    return request.param
+    return ReadTuning(stream_uncached=request.param, stream_above_bytes=0)
 
 
-def counters_after_read(config, spec, keys, out, **overrides):
+def counters_after_read(config, spec, keys, out, tuning=None, **overrides):
     cfg = StoreConfig(**{**config.__dict__, **overrides})
-    with KVStore(cfg, spec) as store:
+    with KVStore(cfg, spec, read_tuning=tuning) as store:
         ok = store.read(keys, out)
         return ok, store.stats().counters
 
@@ -51,11 +47,11 @@ def test_cold_unaligned_read_is_streamed_and_exact(stored, streaming):
     config, spec, keys = stored
     evict_from_page_cache(config.cache_dir)
     out = aligned_out(spec, BLOCKS, misalign=64)  # like vLLM's CPU KV tensors
-    ok, counters = counters_after_read(config, spec, keys, out)
+    ok, counters = counters_after_read(config, spec, keys, out, streaming)
     assert ok == [True] * BLOCKS
     assert_rows_equal(out, block_tensors(spec, keys), slice(None))
     assert counters["direct_read_bytes"] == 0
-    expected = BLOCKS * spec.block_bytes if streaming else 0
+    expected = BLOCKS * spec.block_bytes if streaming.stream_uncached else 0
     assert counters["streamed_read_bytes"] == expected
 
 
@@ -63,11 +59,13 @@ def test_direct_io_off_cold_read_is_streamed(stored, streaming):
     config, spec, keys = stored
     evict_from_page_cache(config.cache_dir)
     out = aligned_out(spec, BLOCKS)
-    ok, counters = counters_after_read(config, spec, keys, out, direct_io=False)
+    ok, counters = counters_after_read(
+        config, spec, keys, out, streaming, direct_io=False
+    )
     assert ok == [True] * BLOCKS
     assert_rows_equal(out, block_tensors(spec, keys), slice(None))
     assert counters["streamed_read_bytes"] == (
-        BLOCKS * spec.block_bytes if streaming else 0
+        BLOCKS * spec.block_bytes if streaming.stream_uncached else 0
     )
 
 
@@ -79,11 +77,11 @@ def test_scattered_rows_in_mixed_order_are_streamed_exactly(stored, streaming):
     picked = [5, 4, 3, 9, 10, 11, 40, 2, 63, 62]
     wanted = [keys[i] for i in picked]
     out = aligned_out(spec, len(picked), misalign=64)
-    ok, counters = counters_after_read(config, spec, wanted, out)
+    ok, counters = counters_after_read(config, spec, wanted, out, streaming)
     assert ok == [True] * len(picked)
     assert_rows_equal(out, block_tensors(spec, wanted), slice(None))
     assert counters["streamed_read_bytes"] == (
-        len(picked) * spec.block_bytes if streaming else 0
+        len(picked) * spec.block_bytes if streaming.stream_uncached else 0
     )
 
 
@@ -97,12 +95,12 @@ def test_direct_and_streamed_layers_in_one_call(stored, streaming):
     for name in out:
         if name.startswith("layers.1."):
             out[name] = unaligned[name]
-    ok, counters = counters_after_read(config, spec, keys, out)
+    ok, counters = counters_after_read(config, spec, keys, out, streaming)
     assert ok == [True] * BLOCKS
     assert_rows_equal(out, block_tensors(spec, keys), slice(None))
     half = BLOCKS * spec.block_bytes // 2
     assert counters["direct_read_bytes"] == half
-    assert counters["streamed_read_bytes"] == (half if streaming else 0)
+    assert counters["streamed_read_bytes"] == (half if streaming.stream_uncached else 0)
 
 
 def flip_byte(path, layer: int, part: int, row: int) -> None:
@@ -122,7 +120,7 @@ def test_a_corrupt_row_read_streamed_is_a_miss(stored, streaming):
     flip_byte(path, layer=1, part=1, row=7)
     evict_from_page_cache(config.cache_dir)
     out = aligned_out(spec, BLOCKS, misalign=64)
-    ok, counters = counters_after_read(config, spec, keys, out)
+    ok, counters = counters_after_read(config, spec, keys, out, streaming)
     assert ok == [i != 7 for i in range(BLOCKS)]  # the bad block alone
     assert counters["checksum_errors"] >= 1
     good = [i for i in range(BLOCKS) if i != 7]
@@ -137,7 +135,9 @@ def test_verify_never_streams_without_judging(stored, streaming):
     flip_byte(path, layer=0, part=0, row=2)
     evict_from_page_cache(config.cache_dir)
     out = aligned_out(spec, BLOCKS, misalign=64)
-    ok, counters = counters_after_read(config, spec, keys, out, verify="never")
+    ok, counters = counters_after_read(
+        config, spec, keys, out, streaming, verify="never"
+    )
     assert ok == [True] * BLOCKS
     assert counters["checksum_errors"] == 0
     expected = block_tensors(spec, keys)
@@ -153,7 +153,7 @@ def test_a_chunk_truncated_after_its_header_was_cached_is_a_miss(stored, streami
     with open(path, "rb") as handle:
         header = parse_header(handle.fileno(), str(path))
     last = header.layers[1][1]
-    with KVStore(config, spec) as store:
+    with KVStore(config, spec, read_tuning=streaming) as store:
         out = aligned_out(spec, BLOCKS, misalign=64)
         assert store.read(keys, out) == [True] * BLOCKS  # header now cached
         os.truncate(path, last.begin + 10 * last.row_bytes)
@@ -213,27 +213,29 @@ def test_read_many_cold_fills_every_request(stored, streaming, splits):
     asked = [[keys[i] for i in split] for split in splits]
     outs = [aligned_out(spec, len(k), misalign=64) for k in asked]
     cfg = StoreConfig(**config.__dict__)
-    with KVStore(cfg, spec) as store:
+    with KVStore(cfg, spec, read_tuning=streaming) as store:
         ok = store.read_many(list(zip(asked, outs, strict=True)))
         counters = store.stats().counters
     assert ok == [[True] * len(k) for k in asked]
     total = sum(len(k) for k in asked) * spec.block_bytes
-    assert counters["streamed_read_bytes"] == (total if streaming else 0)
+    assert counters["streamed_read_bytes"] == (
+        total if streaming.stream_uncached else 0
+    )
     for wanted, out in zip(asked, outs, strict=True):
         assert_rows_equal(out, block_tensors(spec, wanted), slice(None))
 
 
 @pytest.mark.parametrize("tasks", [1, 2, 3, 64])
-def test_cached_layers_in_few_tasks_read_every_layer(tmp_path, monkeypatch, tasks):
+def test_cached_layers_in_few_tasks_read_every_layer(tmp_path, tasks):
     """Warm reads group a chunk's cached layers into a few verifier tasks:
     every layer still arrives, verified, whatever the grouping."""
-    from tests.conftest import tiny_spec
+    from tests.support.blocks import tiny_spec
 
-    monkeypatch.setattr(chunk_reader, "_CACHED_TASKS_PER_CHUNK", tasks)
     spec = tiny_spec(num_layers=7)
     config = StoreConfig(cache_dir=str(tmp_path / "cache"), capacity="64MiB")
     keys = [bytes([i, 3]) * 8 for i in range(12)]
-    with KVStore(config, spec) as store:
+    tuning = ReadTuning(cached_tasks_per_chunk=tasks)
+    with KVStore(config, spec, read_tuning=tuning) as store:
         assert store.put(keys, block_tensors(spec, keys)).stored == len(keys)
         out = {
             name: np.zeros_like(array)
@@ -255,7 +257,7 @@ def test_a_stream_of_several_runs_goes_through_the_file_layer_by_layer(
     layer, so readahead stays ahead of it. Cached reads, where order does not
     matter, take all of a task's layers in one call per run instead."""
     config, spec, keys = stored
-    monkeypatch.setattr(chunk_reader, "_STREAM_ABOVE_BYTES", 0)
+    tuning = ReadTuning(stream_above_bytes=0)
     (path,) = chunk_files(config.cache_dir)
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -272,20 +274,20 @@ def test_a_stream_of_several_runs_goes_through_the_file_layer_by_layer(
         return index
 
     streamed: list[list[int]] = []
-    real = chunk_reader.native.pread_layers_xxh3
+    real = read_routes.native.pread_layers_xxh3
 
     def spy(fd, layers, rows):
         streamed.append([layer_of(parts[0][0]) for parts in layers])
         return real(fd, layers, rows)
 
-    monkeypatch.setattr(chunk_reader.native, "pread_layers_xxh3", spy)
+    monkeypatch.setattr(read_routes.native, "pread_layers_xxh3", spy)
     asked = [keys[:20], keys[20:]]
     outs = [aligned_out(spec, len(k), misalign=64) for k in asked]
     for cold in (True, False):
         streamed.clear()
         if cold:
             evict_from_page_cache(config.cache_dir)
-        with KVStore(StoreConfig(**config.__dict__), spec) as store:
+        with KVStore(StoreConfig(**config.__dict__), spec, read_tuning=tuning) as store:
             ok = store.read_many(list(zip(asked, outs, strict=True)))
             if cold:
                 assert store.stats().counters["streamed_read_bytes"] > 0
@@ -297,4 +299,4 @@ def test_a_stream_of_several_runs_goes_through_the_file_layer_by_layer(
             assert order == [0, 0, 1, 1]  # per layer, its two runs
         else:
             assert sorted(order) == [0, 0, 1, 1]
-            assert len(streamed) <= 2 * chunk_reader._CACHED_TASKS_PER_CHUNK
+            assert len(streamed) <= 2 * tuning.cached_tasks

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from npukv_store import KVStore, StoreConfig
 from npukv_store.store import chunk_reader
-from tests.conftest import block_tensors, empty_like_blocks, tiny_spec
+from npukv_store.store.read_plan import ReadTuning
+from tests.support.blocks import block_tensors, empty_like_blocks, tiny_spec
 
 CHUNKS, ROWS = 3, 8
 
@@ -80,21 +81,17 @@ def test_read_many_equals_one_read_per_request(filled, picks, streamed):
     config, spec, keys = filled
     unknown = {i: bytes([99, i]) * 8 for i in range(CHUNKS * ROWS, CHUNKS * ROWS + 3)}
     asked = [[keys[i] if i < len(keys) else unknown[i] for i in p] for p in picks]
-    old = chunk_reader._STREAM_UNCACHED, chunk_reader._STREAM_ABOVE_BYTES
-    chunk_reader._STREAM_UNCACHED = streamed
-    chunk_reader._STREAM_ABOVE_BYTES = 0  # these chunks' segments are small
-    try:
-        with KVStore(config, spec) as store:
-            outs = [empty_like_blocks(spec, len(k)) for k in asked]
-            drop_chunk_pages(config.cache_dir)  # the header read may cache it again
-            many = store.read_many(list(zip(asked, outs, strict=True)))
-            singles = []
-            for wanted in asked:
-                drop_chunk_pages(config.cache_dir)
-                single_out = empty_like_blocks(spec, len(wanted))
-                singles.append(store.read(wanted, single_out))
-    finally:
-        chunk_reader._STREAM_UNCACHED, chunk_reader._STREAM_ABOVE_BYTES = old
+    # these chunks' segments are small: stream them all, or none
+    tuning = ReadTuning(stream_uncached=streamed, stream_above_bytes=0)
+    with KVStore(config, spec, read_tuning=tuning) as store:
+        outs = [empty_like_blocks(spec, len(k)) for k in asked]
+        drop_chunk_pages(config.cache_dir)  # the header read may cache it again
+        many = store.read_many(list(zip(asked, outs, strict=True)))
+        singles = []
+        for wanted in asked:
+            drop_chunk_pages(config.cache_dir)
+            single_out = empty_like_blocks(spec, len(wanted))
+            singles.append(store.read(wanted, single_out))
     assert many == singles
     for wanted, out, ok in zip(asked, outs, many, strict=True):
         assert ok == [k in keys for k in wanted]

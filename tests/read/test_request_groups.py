@@ -1,5 +1,6 @@
-"""How ChunkReader turns tensor segments into requests: file-adjacent segments
-on one fd become one vectored read, within the size and iovec limits."""
+"""How the planner turns tensor segments into engine requests: file-adjacent
+direct segments become one vectored read, within the size and iovec limits;
+and how runs of rows are found."""
 
 from __future__ import annotations
 
@@ -7,63 +8,67 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npukv_store.store import chunk_reader
-from npukv_store.store.chunk_reader import _file_adjacent_groups
+from npukv_store.store import read_routes
+from npukv_store.store.read_plan import ReadTuning, Segment, _requests, _row_runs
+
+TUNING = ReadTuning()
 
 
 @st.composite
-def segment_plans(draw):
-    """Segments of random sizes laid end to end with random gaps, each on one
-    of two fds, in a shuffled order."""
+def engine_segments(draw):
+    """Segments of random sizes laid end to end with random gaps, each direct
+    or buffered, in a shuffled order: ``(layer position, segment, direct)``."""
     count = draw(st.integers(1, 40))
     sizes = draw(st.lists(st.integers(1, 3 << 20), min_size=count, max_size=count))
     gaps = draw(
         st.lists(st.sampled_from([0, 0, 0, 4096]), min_size=count, max_size=count)
     )
-    fds = draw(st.lists(st.sampled_from([3, 4]), min_size=count, max_size=count))
+    direct = draw(st.lists(st.booleans(), min_size=count, max_size=count))
     segments, offset = [], 0
     for size, gap in zip(sizes, gaps, strict=True):
         offset += gap
-        segments.append((offset, 0, 1, np.empty(size, np.uint8)))
+        segments.append(Segment(offset, 0, 1, np.empty(size, np.uint8)))
         offset += size
     order = draw(st.permutations(range(count)))
-    return [segments[i] for i in order], [fds[i] for i in order]
+    return [(0, segments[i], direct[i]) for i in order]
 
 
 @settings(max_examples=200, deadline=None)
-@given(segment_plans())
-def test_groups_partition_segments_into_contiguous_bounded_reads(plan):
-    segments, fds = plan
-    groups = _file_adjacent_groups(segments, fds, 3)
-    assert sorted(i for group in groups for i in group) == list(range(len(segments)))
-    for group in groups:
-        assert len({fds[i] for i in group}) == 1
-        assert len(group) == 1 or fds[group[0]] == 3  # only the direct fd merges
-        assert len(group) <= chunk_reader._MAX_IOVECS
-        total = sum(segments[i][3].nbytes for i in group)
-        assert len(group) == 1 or total <= chunk_reader._MAX_REQUEST_BYTES
-        for a, b in zip(group, group[1:], strict=False):
-            assert segments[a][0] + segments[a][3].nbytes == segments[b][0]
-    # maximal: two consecutive groups on one fd that touch could not be merged
-    for left, right in zip(groups, groups[1:], strict=False):
-        last, first = left[-1], right[0]
-        touching = segments[last][0] + segments[last][3].nbytes == segments[first][0]
-        if fds[last] == fds[first] == 3 and touching:
-            merged = sum(segments[i][3].nbytes for i in left + right[:1])
+@given(engine_segments())
+def test_requests_partition_segments_into_contiguous_bounded_reads(entries):
+    requests = _requests(entries, TUNING)
+    parts = sorted(id(s) for r in requests for _, s in r.parts)
+    assert parts == sorted(id(s) for _, s, _ in entries)
+    direct_of = {id(s): d for _, s, d in entries}
+    for request in requests:
+        assert {direct_of[id(s)] for _, s in request.parts} == {request.direct}
+        assert len(request.parts) == 1 or request.direct  # only direct merges
+        assert len(request.parts) <= TUNING.max_iovecs
+        total = sum(s.dest.nbytes for _, s in request.parts)
+        assert len(request.parts) == 1 or total <= TUNING.max_request_bytes
+        for (_, a), (_, b) in zip(request.parts, request.parts[1:], strict=False):
+            assert a.offset + a.dest.nbytes == b.offset
+    # maximal: two consecutive direct requests that touch could not be merged
+    for left, right in zip(requests, requests[1:], strict=False):
+        last, first = left.parts[-1][1], right.parts[0][1]
+        touching = last.offset + last.dest.nbytes == first.offset
+        if left.direct and right.direct and touching:
+            merged = sum(s.dest.nbytes for _, s in left.parts) + first.dest.nbytes
             assert (
-                merged > chunk_reader._MAX_REQUEST_BYTES
-                or len(left) == chunk_reader._MAX_IOVECS
+                merged > TUNING.max_request_bytes
+                or len(left.parts) == TUNING.max_iovecs
             )
 
 
 def test_a_whole_chunk_of_1_mib_segments_goes_in_4_mib_reads():
     segments = [
-        (4096 + i * (1 << 20), 0, 1, np.empty(1 << 20, np.uint8)) for i in range(64)
+        Segment(4096 + i * (1 << 20), 0, 1, np.empty(1 << 20, np.uint8))
+        for i in range(64)
     ]
-    groups = _file_adjacent_groups(segments, [5] * 64, 5)
-    assert [len(group) for group in groups] == [4] * 16
-    buffered = _file_adjacent_groups(segments, [5] * 64, None)
-    assert [len(group) for group in buffered] == [1] * 64
+    direct = _requests([(0, s, True) for s in segments], TUNING)
+    assert [len(r.parts) for r in direct] == [4] * 16
+    buffered = _requests([(0, s, False) for s in segments], TUNING)
+    assert [len(r.parts) for r in buffered] == [1] * 64
 
 
 @settings(max_examples=200, deadline=None)
@@ -76,7 +81,7 @@ def test_row_runs_cover_items_in_up_or_down_runs(rows, data):
     indices by the run's step (+1 or -1); no two neighbouring runs could merge."""
     keys = data.draw(st.permutations(range(len(rows))))
     items = list(zip(keys, rows, strict=True))
-    runs = chunk_reader._row_runs(items)
+    runs = _row_runs(items)
     covered = {
         (first + step * j, row + j)
         for first, row, count, step in runs
@@ -97,7 +102,7 @@ def test_a_reversed_run_is_read_from_the_cache_in_one_call(tmp_path):
     run of vLLM blocks) come back right, through the one-pass cached path, and
     a corrupt row there is reported against the right key."""
     from npukv_store import KVStore, StoreConfig
-    from tests.conftest import block_tensors, empty_like_blocks, tiny_spec
+    from tests.support.blocks import block_tensors, empty_like_blocks, tiny_spec
 
     spec = tiny_spec()
     config = StoreConfig(cache_dir=str(tmp_path / "c"), capacity="64MiB")
@@ -105,19 +110,19 @@ def test_a_reversed_run_is_read_from_the_cache_in_one_call(tmp_path):
         keys = store.keys_for(range(16 * 8))
         store.put(keys, block_tensors(spec, keys))
         calls = []
-        real = chunk_reader.native.pread_layers_xxh3
+        real = read_routes.native.pread_layers_xxh3
 
         def counted(fd, layers, rows):
             calls.append((rows, [[part[2] for part in parts] for parts in layers]))
             return real(fd, layers, rows)
 
-        chunk_reader.native.pread_layers_xxh3 = counted
+        read_routes.native.pread_layers_xxh3 = counted
         try:
             backwards = keys[::-1]
             out = empty_like_blocks(spec, 8)
             assert store.read(backwards, out) == [True] * 8
         finally:
-            chunk_reader.native.pread_layers_xxh3 = real
+            read_routes.native.pread_layers_xxh3 = real
         for name, array in block_tensors(spec, backwards).items():
             np.testing.assert_array_equal(out[name], array)
         # all eight rows in each call, every layer once, every part reversed

@@ -1,0 +1,1 @@
+"""Helpers that tests share: import them from here, never from another test."""
