@@ -31,8 +31,9 @@ from npukv_store.io.engine import IOEngine, make_engine
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import policy
 from npukv_store.store.arrays import DestRows
+from npukv_store.store.chunk_headers import ChunkHeaders
 from npukv_store.store.directory import CacheDir
-from npukv_store.store.format import ChunkHeader, parse_header
+from npukv_store.store.format import ChunkHeader
 from npukv_store.store.read_plan import (
     ChunkReadPlan,
     ChunkRows,
@@ -83,7 +84,9 @@ class ChunkReader:
         self._counters = counters
         self._verify = verify
         self._lock = threading.Lock()
-        self._headers: OrderedDict[int, ChunkHeader] = OrderedDict()
+        self._headers = ChunkHeaders(
+            cdir, spec, namespace, self.tuning.header_cache_entries
+        )
         self._engine_kind = engine_kind
         self._queue_depth = queue_depth
         self._direct = direct and hasattr(os, "O_DIRECT")
@@ -122,12 +125,12 @@ class ChunkReader:
     def _mark_corrupt(self, chunk_id: int) -> None:
         with self._lock:
             self._corrupt.add(chunk_id)
-            self._headers.pop(chunk_id, None)
+        self._headers.drop(chunk_id)
 
     def clear(self) -> None:
         """Forget cached headers and engines (after fork: their threads are gone)."""
+        self._headers.drop()
         with self._lock:
-            self._headers.clear()
             self._read_before.clear()
             self._all_engines = []
             self._verify_pool = None  # its thread did not survive the fork
@@ -147,7 +150,8 @@ class ChunkReader:
         verified key indices."""
         in_flight = self.tuning.chunks_in_flight
         if len(chunks) > 1:
-            self._load_headers([chunk_id for chunk_id, _ in chunks])
+            ids = [chunk_id for chunk_id, _ in chunks]
+            self._headers.prefetch(ids, self._verifier())
         if len(chunks) <= 1 or in_flight <= 1:
             return [self.read_rows(c, items, keys, layers, dest) for c, items in chunks]
         with self._lock:
@@ -161,38 +165,6 @@ class ChunkReader:
             for c, items in chunks
         ]
         return _all_results(futures)
-
-    def _load_headers(self, chunk_ids: list[int]) -> None:
-        """Parse the headers of the chunks not in the header cache, all at
-        once on the verifier threads, before any chunk's data is asked for.
-        Read chunk by chunk, each header (two small reads) waited in the
-        disk's queue behind the other chunk in flight's 64 MiB of data, 35-80
-        ms, and the chunk's own data went out only after it: a cold 1 GiB read
-        ran at 1.2 GB/s where the disk gave 1.6-2.0 (docs/design.md §20)."""
-        with self._lock:
-            missing = [c for c in chunk_ids if c not in self._headers]
-        if len(missing) > 1:
-            pool = self._verifier()
-            wait([pool.submit(self._prefetch_header, c) for c in missing])
-
-    def _prefetch_header(self, chunk_id: int) -> None:
-        """Parse and cache one chunk's header; any problem is left for
-        ``read_rows`` to find again, count and report (a miss there)."""
-        path = self._dir.chunk_path(self._namespace, chunk_id)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            # no readahead: it would pull data pages into the page cache, and
-            # the data read would then go through it instead of around it
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            header = parse_header(fd, path, namespace=self._namespace, spec=self._spec)
-        except (OSError, FormatError):
-            return
-        finally:
-            os.close(fd)
-        self._cache_header(chunk_id, header)
 
     def read_rows(
         self,
@@ -370,26 +342,13 @@ class ChunkReader:
         self._engines = threading.local()
 
     def _header(self, chunk_id: int, fd: int, path: str) -> ChunkHeader | None:
-        with self._lock:
-            header = self._headers.get(chunk_id)
-            if header is not None:
-                self._headers.move_to_end(chunk_id)
-                return header
         try:
-            header = parse_header(fd, path, namespace=self._namespace, spec=self._spec)
+            return self._headers.get(chunk_id, fd, path)
         except FormatError as exc:
             self._counters.add(read_errors=1)
             logger.warning("bad chunk, treated as a miss: %s", exc)
             self._mark_corrupt(chunk_id)
             return None
-        self._cache_header(chunk_id, header)
-        return header
-
-    def _cache_header(self, chunk_id: int, header: ChunkHeader) -> None:
-        with self._lock:
-            self._headers[chunk_id] = header
-            while len(self._headers) > self.tuning.header_cache_entries:
-                self._headers.popitem(last=False)
 
 
 def _all_results(futures: Sequence[Future[T]]) -> list[T]:

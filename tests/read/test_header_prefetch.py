@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from npukv_store import KVStore, StoreConfig
-from npukv_store.store import chunk_reader
+from npukv_store.store import chunk_headers, chunk_reader
 from npukv_store.store.read_plan import ReadTuning
 from tests.support.blocks import block_tensors, empty_like_blocks
 
@@ -32,7 +32,7 @@ def test_every_header_is_parsed_once_and_before_any_data(
 ):
     keys = store_six_chunks(tmp_path / "c", spec)
     events: list[str] = []
-    parse = chunk_reader.parse_header
+    parse = chunk_headers.parse_header
     read_layers = chunk_reader.ChunkReader._read_layers
 
     def logged_parse(fd, path, **kwargs):
@@ -43,7 +43,7 @@ def test_every_header_is_parsed_once_and_before_any_data(
         events.append("data")
         return read_layers(self, *args)
 
-    monkeypatch.setattr(chunk_reader, "parse_header", logged_parse)
+    monkeypatch.setattr(chunk_headers, "parse_header", logged_parse)
     monkeypatch.setattr(chunk_reader.ChunkReader, "_read_layers", logged_read_layers)
     config = StoreConfig(cache_dir=str(tmp_path / "c"), capacity="64MiB")
     tuning = ReadTuning(chunks_in_flight=in_flight)
