@@ -4,13 +4,11 @@
  * C-contiguous buffer of nrows equal rows; row r's checksum is xxh3_64 over
  * part[0] row r, then part[1] row r, ... (docs/format.md §3.3). Hashing runs
  * without the GIL, so I/O threads keep the disk busy while a layer is verified;
- * python-xxhash holds the GIL for row-sized inputs. Built only where the xxhash
- * header is installed (libxxhash-dev); elsewhere npukv_store.native uses its
- * Python twin.
+ * python-xxhash holds the GIL for row-sized inputs. Every build has it: the
+ * xxhash header is the system's (libxxhash-dev) or native/third_party's.
  */
 #include "nkv.h"
 
-#ifdef NKV_HAVE_XXHASH
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
@@ -29,7 +27,7 @@
 /* The row loop compiled for AVX2 (checksum_avx2.c), picked at import where
  * the CPU has it: xxh3 then hashes about twice as fast as with the SSE2
  * baseline (20 against 11 GB/s in L2 on this VM). An AVX-512 build hashed at
- * 30 GB/s in L2 but read cached chunks no faster (docs/design.md §20), so it is
+ * 30 GB/s in L2 but read cached chunks no faster (docs/decisions/0020), so it is
  * not built: on some Xeons its frequency drop slows the serving threads too. */
 typedef void (*nkv_hash_rows_fn)(const Py_buffer *, Py_ssize_t, Py_ssize_t,
                                  unsigned char *);
@@ -182,7 +180,7 @@ done:
  * each piece is read into an L2-sized bounce buffer, hashed there, and
  * streamed to its destination: the kernel's copy then writes into cache-hot
  * memory, and no destination line is read before it is written. 0.213 against
- * 0.25 CPU s per GB from the page cache on this VM (docs/design.md §21).
+ * 0.25 CPU s per GB from the page cache on this VM (docs/decisions/0021).
  * Smaller parts are read straight into place, where the caller may want them
  * in cache. */
 #define NKV_STREAM_MIN_BYTES NKV_PREAD_PIECE_BYTES
@@ -274,7 +272,7 @@ typedef struct {
  * Messages name `fn`. pread_layers_xxh3 is this; pread_rows_xxh3 is this for
  * one layer. Several layers in one call take the GIL back and parse the
  * arguments once: a verifier task's 4-8 layers made one call each before
- * (docs/design.md §20). */
+ * (docs/decisions/0020). */
 static PyObject *
 nkv_pread_layers(const char *fn, int fd, PyObject *layers, Py_ssize_t nrows)
 {
@@ -481,24 +479,24 @@ nkv_hash_kernel_names(PyObject *module, PyObject *unused)
 
 static PyMethodDef nkv_checksum_methods[] = {
     {"_hash_kernel", nkv_hash_kernel, METH_VARARGS,
-     "_hash_kernel([name]) -> str\n"
+     "_hash_kernel($module, name=None, /)\n--\n\n"
      "The xxh3 kernel in use; with a name (one of _hash_kernels()), use that\n"
      "one instead (tests and benchmarks). Not thread-safe against hashing."},
     {"_hash_kernels", nkv_hash_kernel_names, METH_NOARGS,
-     "_hash_kernels() -> list[str]\n"
+     "_hash_kernels($module, /)\n--\n\n"
      "The xxh3 kernels this CPU runs, widest first."},
     {"pread_rows_xxh3", nkv_pread_rows_xxh3, METH_VARARGS,
-     "pread_rows_xxh3(fd, parts, nrows) -> bytes\n"
+     "pread_rows_xxh3($module, fd, parts, nrows, /)\n--\n\n"
      "Read each (offset, buffer[, reversed]) part from fd into its buffer and\n"
      "return the little-endian u64 xxh3_64 of each file row over all parts,\n"
      "hashing each piece while it is in cache (GIL released); a reversed part\n"
      "puts file row j in buffer row nrows-1-j. OSError on an error or short read."},
     {"pread_layers_xxh3", nkv_pread_layers_xxh3, METH_VARARGS,
-     "pread_layers_xxh3(fd, layers, nrows) -> bytes\n"
+     "pread_layers_xxh3($module, fd, layers, nrows, /)\n--\n\n"
      "pread_rows_xxh3 of each layer's parts in one call (GIL released once):\n"
      "layer l's nrows little-endian u64 digests at bytes [8*l*nrows, ...)."},
     {"xxh3_rows", nkv_xxh3_rows, METH_VARARGS,
-     "xxh3_rows(parts, nrows) -> bytes\n"
+     "xxh3_rows($module, parts, nrows, /)\n--\n\n"
      "Little-endian u64 xxh3_64 of each row over all parts (GIL released)."},
     {NULL, NULL, 0, NULL},
 };
@@ -511,22 +509,9 @@ nkv_checksum_exec(PyObject *module)
             nkv_hash = &nkv_hash_kernels[k];
         }
     }
+    /* exported so that the reader's ReadTuning table shows it */
+    if (PyModule_AddIntConstant(module, "BOUNCE_ABOVE_BYTES", NKV_STREAM_MIN_BYTES) < 0) {
+        return -1;
+    }
     return PyModule_AddFunctions(module, nkv_checksum_methods);
 }
-
-#else /* no xxhash header at build time: the Python twin serves */
-
-nkv_stream_copy_fn
-nkv_stream_copy_kernel(void)
-{
-    return NULL;
-}
-
-int
-nkv_checksum_exec(PyObject *module)
-{
-    (void)module;
-    return 0;
-}
-
-#endif

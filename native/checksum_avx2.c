@@ -3,7 +3,7 @@
  * its SIMD kernels at preprocessing time, from the unit's target. */
 #include "nkv.h"
 
-#if defined(NKV_HAVE_XXHASH) && defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("avx2")
 #define XXH_VECTOR XXH_AVX2
 #define XXH_INLINE_ALL

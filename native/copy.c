@@ -53,7 +53,7 @@
 /* Threads take the bytes GRANULE at a time from a shared counter: a thread
  * the scheduler sets aside (a busy core, a VM's stolen time) holds up the call
  * by one granule at most, where an equal share per thread held it up by the
- * whole share (docs/design.md §21). */
+ * whole share (docs/decisions/0021). */
 #define NKV_COPY_GRANULE_BYTES (1024 * 1024)
 
 /* The work of one parallel call, shared by its threads. */
@@ -467,7 +467,7 @@ done:
 static PyMethodDef nkv_copy_methods[] = {
     {"copy_runs", (PyCFunction)(void (*)(void))nkv_copy_runs,
      METH_VARARGS | METH_KEYWORDS,
-     "copy_runs(srcs, dsts, runs, /, threads=0) -> int\n"
+     "copy_runs($module, srcs, dsts, runs, /, threads=0)\n--\n\n"
      "Copy each run (src_index, src_offset, dst_index, dst_offset, nbytes) of an\n"
      "int64 [k, 5] buffer from srcs to dsts, as if by memmove; all runs are\n"
      "checked first. GIL released from _GIL_MINSIZE bytes, threads from\n"

@@ -387,21 +387,25 @@ nkv_acl_host_unregister(PyObject *module, PyObject *arg)
 
 static PyMethodDef nkv_device_methods[] = {
     {"cuda_memcpy_batch", nkv_cuda_memcpy_batch, METH_VARARGS,
-     "cuda_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream, batch_api=True, /)"
-     " -> int\nEvery run on the raw stream: one cuMemcpyBatchAsync where the "
-     "driver has it, else cudaMemcpyAsync per run. Returns the bytes enqueued."},
+     "cuda_memcpy_batch($module, src_ptrs, dst_ptrs, sizes, kind, stream,"
+     " batch_api=True, /)\n--\n\n"
+     "Every run on the raw stream: one cuMemcpyBatchAsync where the driver has\n"
+     "it, else cudaMemcpyAsync per run. Returns the bytes enqueued."},
     {"cuda_copy_api", nkv_cuda_copy_api, METH_NOARGS,
-     "cuda_copy_api() -> str\nThe call the last cuda_memcpy_batch used."},
+     "cuda_copy_api($module, /)\n--\n\n"
+     "The call the last cuda_memcpy_batch used (str)."},
     {"acl_memcpy_batch", nkv_acl_memcpy_batch, METH_VARARGS,
-     "acl_memcpy_batch(src_ptrs, dst_ptrs, sizes, kind, stream, /) -> int\n"
+     "acl_memcpy_batch($module, src_ptrs, dst_ptrs, sizes, kind, stream, /)\n--\n\n"
      "aclrtMemcpyAsync per run on the raw stream. Returns the bytes enqueued."},
     {"acl_host_register", nkv_acl_host_register, METH_VARARGS,
-     "acl_host_register(ptr, nbytes, flags, /) -> int\n"
+     "acl_host_register($module, ptr, nbytes, flags, /)\n--\n\n"
      "aclrtHostRegisterV2 (or aclrtHostRegister MAPPED); the ACL error code."},
     {"acl_host_unregister", nkv_acl_host_unregister, METH_O,
-     "acl_host_unregister(ptr, /) -> int\naclrtHostUnregister; the ACL error code."},
+     "acl_host_unregister($module, ptr, /)\n--\n\n"
+     "aclrtHostUnregister; the ACL error code."},
     {"cuda_get_last_error", nkv_cuda_get_last_error, METH_NOARGS,
-     "cuda_get_last_error() -> int\ncudaGetLastError (clears the last error)."},
+     "cuda_get_last_error($module, /)\n--\n\n"
+     "cudaGetLastError (clears the last error)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,7 +14,7 @@
  * hold to O_DIRECT reads and reads cached ones on its verifier threads. Asked
  * with cachestat(2) (Linux 6.5), which counts in the kernel's page-cache tree:
  * 66 against 727 us for mincore over a cached 64 MiB chunk on this VM
- * (docs/design.md §20). Where cachestat is missing or filtered (ENOSYS,
+ * (docs/decisions/0020). Where cachestat is missing or filtered (ENOSYS,
  * EPERM from a seccomp profile), the counts come from page_residency's
  * mincore, and cachestat is not tried again.
  */
@@ -261,32 +261,37 @@ nkv_cached_pages(PyObject *module, PyObject *args)
 static PyObject *
 nkv_use_cachestat(PyObject *module, PyObject *args)
 {
-    int use = -1;
+    PyObject *use = Py_None;
     (void)module;
-    if (!PyArg_ParseTuple(args, "|p:_use_cachestat", &use)) {
+    if (!PyArg_ParseTuple(args, "|O:_use_cachestat", &use)) {
         return NULL;
     }
-    if (use >= 0) {
-        nkv_cachestat_usable = use; /* on again: the next call finds out */
+    if (use != Py_None) { /* None: only ask (a signature default can say it) */
+        int on = PyObject_IsTrue(use);
+        if (on < 0) {
+            return NULL;
+        }
+        nkv_cachestat_usable = on; /* on again: the next call finds out */
     }
     return PyBool_FromLong(nkv_cachestat_usable);
 }
 
 static PyMethodDef nkv_fileio_methods[] = {
     {"cached_pages", nkv_cached_pages, METH_VARARGS,
-     "cached_pages(fd, ranges) -> bytes\n"
+     "cached_pages($module, fd, ranges, /)\n--\n\n"
      "Per int64 (offset, nbytes) pair of ranges, the number of pages of that\n"
      "range the page cache holds, as native-endian uint64 (cachestat, else\n"
      "mincore; GIL released)."},
     {"_use_cachestat", nkv_use_cachestat, METH_VARARGS,
-     "_use_cachestat([use]) -> bool\n"
-     "Whether cached_pages asks cachestat; with a value, turn that on or off\n"
+     "_use_cachestat($module, use=None, /)\n--\n\n"
+     "Whether cached_pages asks cachestat; with True or False, turn that on or off\n"
      "(tests: the mincore path on a kernel that has cachestat)."},
     {"page_residency", nkv_page_residency, METH_VARARGS,
-     "page_residency(fd, offset, nbytes) -> bytes\n"
+     "page_residency($module, fd, offset, nbytes, /)\n--\n\n"
      "One byte per page of the range: 1 where the page cache holds it."},
     {"sync_file_range", nkv_sync_file_range, METH_VARARGS,
-     "sync_file_range(fd, offset, nbytes, flags=SYNC_FILE_RANGE_WRITE)\n"
+     "sync_file_range($module, fd, offset, nbytes,"
+     " flags=SYNC_FILE_RANGE_WRITE, /)\n--\n\n"
      "Start writeback of a file range (GIL released)."},
     {NULL, NULL, 0, NULL},
 };

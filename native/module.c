@@ -4,9 +4,10 @@
  * block rows), copy.c (GIL-free batched copies), uring.c (io_uring), ptrs.c
  * (copies between raw addresses) and device.c (CUDA/ACL calls via dlopen) each
  * add their entry points in their own *_exec function. Every entry point but
- * device.c's has a pure-Python twin in npukv_store/native.py, selected by
- * NPUKV_NATIVE=0, and the same tests run against both; device.c's runtime
- * calls have none (npukv_store.device falls back to other paths).
+ * device.c's has a pure-Python twin in npukv_store/_twin.py, which
+ * npukv_store/native.py binds instead only with NPUKV_NATIVE=0, and the same
+ * tests run against both; device.c's runtime calls have none
+ * (npukv_store.device falls back to other paths).
  */
 #include "nkv.h"
 
@@ -15,7 +16,7 @@
 
 /* Bumped whenever a native entry point changes meaning; npukv_store checks it
  * at import so a stale build is refused instead of misbehaving. */
-#define NKV_ABI_VERSION 8
+#define NKV_ABI_VERSION 9
 
 PyObject *
 nkv_err_set(const char *what, int err)

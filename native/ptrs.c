@@ -188,7 +188,7 @@ nkv_copy_ptrs(PyObject *module, PyObject *args, PyObject *kwargs)
 static PyMethodDef nkv_ptrs_methods[] = {
     {"copy_ptrs", (PyCFunction)(void (*)(void))nkv_copy_ptrs,
      METH_VARARGS | METH_KEYWORDS,
-     "copy_ptrs(src_ptrs, dst_ptrs, sizes, /, threads=0) -> int\n"
+     "copy_ptrs($module, src_ptrs, dst_ptrs, sizes, /, threads=0)\n--\n\n"
      "memmove sizes[i] bytes from address src_ptrs[i] to dst_ptrs[i] (int64\n"
      "arrays); all runs are checked first. Returns the bytes copied."},
     {NULL, NULL, 0, NULL},

@@ -5,7 +5,7 @@
  * without being read first (no read-for-ownership): 7.5 against 11.4 ms per
  * 64 MiB on one core of this VM. glibc streams only above a threshold of tens
  * of megabytes per call, and these copies come in pieces of 256 KiB to 1 MiB,
- * hence this loop (docs/design.md §21). Picked at run time with the xxh3
+ * hence this loop (docs/decisions/0021). Picked at run time with the xxh3
  * kernel (checksum.c), only where the CPU has AVX2. */
 #include "nkv.h"
 

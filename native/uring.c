@@ -845,23 +845,25 @@ nkv_uring_register_buffer(nkv_uring *self, PyObject *buffer)
 
 static PyMethodDef nkv_uring_methods[] = {
     {"register_buffer", (PyCFunction)nkv_uring_register_buffer, METH_O,
-     "register_buffer(buffer)\n"
+     "register_buffer($self, buffer, /)\n--\n\n"
      "Pin a writable buffer in the kernel once (io_uring fixed buffers); requests\n"
      "wholly inside one 1 GiB piece of it use READ_FIXED/WRITE_FIXED. The buffer\n"
      "stays exported until close(). OSError where the kernel refuses (memlock)."},
     {"submit", (PyCFunction)nkv_uring_submit, METH_O,
-     "submit(requests)\n"
+     "submit($self, requests, /)\n--\n\n"
      "Queue (op, fd, offset, buffer, tag) requests, op 0 = read, 1 = write; one\n"
      "io_uring_enter, GIL released. Buffers stay pinned until reaped. ValueError\n"
      "if more than `entries` would be in flight."},
     {"reap", (PyCFunction)nkv_uring_reap, METH_VARARGS,
-     "reap(min_complete=1) -> [(tag, result)]\n"
+     "reap($self, min_complete=1, /)\n--\n\n"
      "Wait (GIL released) for at least min_complete completions (capped at\n"
      "in_flight); return all available. result: bytes moved or -errno."},
     {"close", (PyCFunction)nkv_uring_close, METH_NOARGS,
-     "close()\nWait for everything in flight, unpin its buffers, unmap the rings and\n"
+     "close($self, /)\n--\n\n"
+     "Wait for everything in flight, unpin its buffers, unmap the rings and\n"
      "close the ring fd. Idempotent."},
-    {"fileno", (PyCFunction)nkv_uring_fileno, METH_NOARGS, "fileno() -> the ring fd"},
+    {"fileno", (PyCFunction)nkv_uring_fileno, METH_NOARGS,
+     "fileno($self, /)\n--\n\nThe ring fd."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -883,8 +885,8 @@ static PyGetSetDef nkv_uring_getset[] = {
 };
 
 static PyType_Slot nkv_uring_slots[] = {
-    {Py_tp_doc, "Uring(entries, punt_reads=False)\nAn io_uring ring for file reads and writes "
-                "(native/uring.c)."},
+    {Py_tp_doc, "Uring(entries, punt_reads=False)\n--\n\n"
+                "An io_uring ring for file reads and writes (native/uring.c)."},
     {Py_tp_new, (void *)nkv_uring_new},
     {Py_tp_dealloc, (void *)nkv_uring_dealloc},
     {Py_tp_methods, nkv_uring_methods},
@@ -895,11 +897,7 @@ static PyType_Slot nkv_uring_slots[] = {
 static PyType_Spec nkv_uring_spec = {
     .name = "npukv_store._native.Uring",
     .basicsize = sizeof(nkv_uring),
-    .flags = Py_TPFLAGS_DEFAULT
-#ifdef Py_TPFLAGS_IMMUTABLETYPE
-             | Py_TPFLAGS_IMMUTABLETYPE
-#endif
-    ,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE, /* Python >= 3.10 */
     .slots = nkv_uring_slots,
 };
 

@@ -1,8 +1,10 @@
-"""The C extension ``npukv_store._native``, or its pure-Python twin.
+"""The C extension ``npukv_store._native``, or its pure-Python twin; picked once.
 
-Runs in: any process. ``NPUKV_NATIVE=0`` selects the twin (the same tests run
-against both, as py-lmdb does with ``LMDB_FORCE_CFFI``); so does a missing or
-stale build, with one warning.
+Runs in: any process. At import this module binds its entry points either to
+the C extension or, only where ``NPUKV_NATIVE=0``, to ``npukv_store._twin``
+(the same tests run against both, as py-lmdb does with ``LMDB_FORCE_CFFI``).
+A build that is missing, broken or stale (another ``ABI_VERSION``) is an
+ImportError naming what was found and the fix; nothing falls back silently.
 
     sync_file_range_write() - start writeback of a file range, don't wait
     page_residency()        - which pages of a file range the page cache holds
@@ -19,247 +21,93 @@ stale build, with one warning.
     cuda_memcpy_batch(), acl_memcpy_batch(), acl_host_register(),
     acl_host_unregister(), cuda_get_last_error()
                             - CUDA / Ascend runtime calls (dlopen) for
-                              npukv_store.device; native only: without the
-                              extension they raise OSError(ENOSYS)
+                              npukv_store.device; native only: on the twin
+                              they raise OSError(ENOSYS)
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
-import logging
-import mmap
 import os
-import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
-import xxhash
-
-logger = logging.getLogger(__name__)
 
 #: anything with the buffer protocol (collections.abc.Buffer needs Python 3.12)
 BufferLike = Any
 
-ABI_VERSION = 8
+ABI_VERSION = 9  # native/module.c NKV_ABI_VERSION
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
-_COPY_MAX_THREADS = 64  # native/copy.c NKV_COPY_MAX_THREADS
+
+
+def _refusal(found: str) -> str:
+    return (
+        f"npukv_store._native: found {found}, expected a build with ABI_VERSION "
+        f"{ABI_VERSION}; rebuild it (`pip install -e .` in the repository), or "
+        "set NPUKV_NATIVE=0 to use the pure-Python twin (slower)"
+    )
 
 
 def _load() -> ModuleType | None:
+    """The C module, checked; None where NPUKV_NATIVE=0 asks for the twin."""
     if os.environ.get("NPUKV_NATIVE", "1") == "0":
         return None
     try:
         from npukv_store import _native
-    except ImportError:
-        logger.warning("npukv_store._native is not built; using the Python twin")
-        return None
-    if _native.ABI_VERSION != ABI_VERSION:
-        logger.warning(
-            "npukv_store._native has ABI %d, expected %d (stale build); using the "
-            "Python twin",
-            _native.ABI_VERSION,
-            ABI_VERSION,
+    except ImportError as exc:
+        raise ImportError(
+            _refusal(f"no loadable build ({exc})"), name="npukv_store._native"
+        ) from exc
+    # getattr: a build older than ABI_VERSION itself has none
+    found = getattr(_native, "ABI_VERSION", None)
+    if found != ABI_VERSION:
+        raise ImportError(
+            _refusal(f"a stale build with ABI_VERSION {found} ({_native.__file__})"),
+            name="npukv_store._native",
         )
-        return None
     return _native
 
 
+#: the C module in use, or None on the twin (for Uring and the device calls)
 IMPL = _load()
 IS_NATIVE = IMPL is not None
 
-
-class _Twin:
-    """Pure-Python twins of the native entry points."""
-
-    def __init__(self) -> None:
-        libc_name = ctypes.util.find_library("c")
-        libc = ctypes.CDLL(libc_name, use_errno=True) if libc_name else None
-        self._sync_file_range = getattr(libc, "sync_file_range", None)
-        if self._sync_file_range is not None:
-            self._sync_file_range.argtypes = [
-                ctypes.c_int,
-                ctypes.c_int64,
-                ctypes.c_int64,
-                ctypes.c_uint,
-            ]
-        self._mincore = getattr(libc, "mincore", None)
-        if self._mincore is not None:
-            self._mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-
-    def sync_file_range(self, fd: int, offset: int, nbytes: int, flags: int) -> None:
-        if offset < 0 or nbytes < 0:
-            raise ValueError("sync_file_range: offset and nbytes must be >= 0")
-        if self._sync_file_range is None:
-            return  # not Linux: writeback simply starts at fsync
-        if self._sync_file_range(fd, offset, nbytes, flags) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"sync_file_range: {os.strerror(err)}")
-
-    def page_residency(self, fd: int, offset: int, nbytes: int) -> bytes:
-        """native/fileio.c's mincore over a private read-only mapping (a copy
-        mapping, so ctypes can take its address; unwritten pages stay the
-        file's)."""
-        if offset < 0 or nbytes < 0:
-            raise ValueError(
-                f"page_residency: found offset {offset} and nbytes {nbytes}, "
-                "expected both >= 0"
-            )
-        start = offset - offset % mmap.PAGESIZE
-        span = offset + nbytes - start
-        pages = -(-span // mmap.PAGESIZE)
-        if pages == 0:
-            return b""
-        if self._mincore is None:
-            raise OSError(errno.ENOSYS, "page_residency: no mincore in libc")
-        vec = ctypes.create_string_buffer(pages)
-        try:
-            # Python's mmap refuses a range past the end of the file (C's does
-            # not, and mincore reports those pages as absent): map what exists
-            span = min(span, os.fstat(fd).st_size - start)
-            if span <= 0:
-                return bytes(pages)
-            mapping = mmap.mmap(fd, span, access=mmap.ACCESS_COPY, offset=start)
-        except OSError as exc:
-            raise OSError(exc.errno, f"page_residency (mmap/mincore): {exc}") from exc
-        with mapping:
-            anchor = ctypes.c_char.from_buffer(mapping)
-            try:
-                if self._mincore(ctypes.addressof(anchor), span, vec) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"page_residency (mincore): {os.strerror(err)}")
-            finally:
-                del anchor  # the mapping cannot close while a ctypes view holds it
-        return bytes(b & 1 for b in vec.raw[: -(-span // mmap.PAGESIZE)]).ljust(
-            pages, b"\0"
-        )
-
-    def copy_runs(
-        self,
-        srcs: Sequence[BufferLike],
-        dsts: Sequence[BufferLike],
-        runs: BufferLike,
-        threads: int,
-    ) -> int:
-        """native/copy.c's checks in its order, then one numpy assignment per
-        run (numpy copies through a temporary where ranges overlap: memmove)."""
-        if not 0 <= threads <= _COPY_MAX_THREADS:
-            raise ValueError(
-                f"copy_runs: threads is {threads}, expected 0 (default) to "
-                f"{_COPY_MAX_THREADS}"
-            )
-        rows = _run_rows(runs)
-        src_items, dst_items = _sequence(srcs, "srcs"), _sequence(dsts, "dsts")
-        sides = (_byte_arrays(src_items, "src"), _byte_arrays(dst_items, "dst"))
-        total = 0
-        for index, row in enumerate(rows):
-            _check_run(index, row, sides)
-            total += row[4]
-            if total > sys.maxsize:
-                raise ValueError(
-                    f"copy_runs: the runs' nbytes add up to more than {sys.maxsize}, "
-                    "expected at most that"
-                )
-        for src_idx, src_off, dst_idx, dst_off, nbytes in rows:
-            if nbytes > 0:
-                src = sides[0][src_idx][src_off : src_off + nbytes]
-                sides[1][dst_idx][dst_off : dst_off + nbytes] = src
-        return total
-
-
-def _run_rows(runs: BufferLike) -> list[list[int]]:
-    """``runs`` as rows of 5 ints, checked as native/copy.c checks it."""
-    view = memoryview(runs)
-    fmt = view.format
-    native_order = "<" if sys.byteorder == "little" else ">"
-    code = fmt[1:] if fmt[:1] in ("@", "=", native_order) else fmt
-    if view.itemsize != 8 or code not in ("q", "l"):
-        raise ValueError(
-            f"copy_runs: runs has format '{fmt}' and itemsize {view.itemsize}, "
-            "expected native int64 ('q' or 'l', itemsize 8)"
-        )
-    if view.ndim != 2:
-        raise ValueError(
-            f"copy_runs: runs has {view.ndim} dimensions, expected shape [k, 5]"
-        )
-    assert view.shape is not None  # ndim 2
-    if view.shape[1] != 5:
-        raise ValueError(
-            f"copy_runs: runs has {view.shape[1]} columns, expected shape [k, 5]"
-        )
-    if not view.c_contiguous:
-        raise ValueError(
-            "copy_runs: runs is not C-contiguous, expected a C-contiguous [k, 5] "
-            "int64 array"
-        )
-    # memoryview refuses to cast a view with a 0 in its shape
-    flat: list[int] = view.cast("B").cast("q").tolist() if view.nbytes else []
-    return [flat[i : i + 5] for i in range(0, len(flat), 5)]
-
-
-def _sequence(items: Sequence[BufferLike], name: str) -> list[BufferLike]:
-    try:
-        return list(items)
-    except TypeError:
-        raise TypeError(f"copy_runs: {name} must be a sequence") from None
-
-
-def _byte_arrays(items: list[BufferLike], what: str) -> list[np.ndarray]:
-    """uint8 views, taken as the C side takes them: np.frombuffer asks for
-    PyBUF_WRITABLE, then PyBUF_SIMPLE (C-contiguous) as native/copy.c does."""
-    expected = "writable C-contiguous" if what == "dst" else "C-contiguous"
-    arrays = []
-    for index, item in enumerate(items):
-        try:
-            array = np.frombuffer(item, dtype=np.uint8)
-        except (BufferError, ValueError) as err:
-            raise ValueError(
-                f"copy_runs: {what} {index} is not a {expected} buffer"
-            ) from err
-        if what == "dst" and not array.flags.writeable:
-            raise ValueError(f"copy_runs: {what} {index} is not a {expected} buffer")
-        arrays.append(array)
-    return arrays
-
-
-def _check_run(
-    index: int, row: list[int], sides: tuple[list[np.ndarray], list[np.ndarray]]
-) -> None:
-    nbytes = row[4]
-    if nbytes < 0:
-        raise ValueError(f"copy_runs: run {index} has nbytes {nbytes}, expected >= 0")
-    for side, what in enumerate(("src", "dst")):
-        buf_idx = row[2 * side]
-        if not 0 <= buf_idx < len(sides[side]):
-            raise ValueError(
-                f"copy_runs: run {index} has {what}_index {buf_idx}, expected 0 <= "
-                f"{what}_index < {len(sides[side])}"
-            )
-    for side, what in enumerate(("src", "dst")):
-        buf_idx, offset = row[2 * side], row[2 * side + 1]
-        size = len(sides[side][buf_idx])
-        if offset < 0 or offset > size or nbytes > size - offset:
-            raise ValueError(
-                f"copy_runs: run {index} has {what} {buf_idx} offset {offset} + "
-                f"nbytes {nbytes}, expected within that {what}'s {size} bytes"
-            )
-
-
-_TWIN = _Twin()
+# The entry points, bound once. Both modules take the same arguments and
+# return bytes: _native.pyi says how (stubtest checks it against the build,
+# mypy the twin against it), and the wrappers below convert for both.
+if IMPL is None:
+    # from this part size the C code hashes through an L2-sized bounce
+    # buffer (native/checksum.c); the twin reads in place, mirroring the value
+    from npukv_store._twin import BOUNCE_ABOVE_BYTES as BOUNCE_ABOVE_BYTES
+    from npukv_store._twin import cached_pages as _cached_pages
+    from npukv_store._twin import copy_ptrs as _copy_ptrs
+    from npukv_store._twin import copy_runs as _copy_runs
+    from npukv_store._twin import page_residency as _page_residency
+    from npukv_store._twin import pread_layers_xxh3 as _pread_layers_xxh3
+    from npukv_store._twin import pread_rows_xxh3 as _pread_rows_xxh3
+    from npukv_store._twin import sync_file_range as _sync_file_range
+    from npukv_store._twin import xxh3_rows as _xxh3_rows
+else:
+    from npukv_store._native import BOUNCE_ABOVE_BYTES as BOUNCE_ABOVE_BYTES
+    from npukv_store._native import cached_pages as _cached_pages
+    from npukv_store._native import copy_ptrs as _copy_ptrs
+    from npukv_store._native import copy_runs as _copy_runs
+    from npukv_store._native import page_residency as _page_residency
+    from npukv_store._native import pread_layers_xxh3 as _pread_layers_xxh3
+    from npukv_store._native import pread_rows_xxh3 as _pread_rows_xxh3
+    from npukv_store._native import sync_file_range as _sync_file_range
+    from npukv_store._native import xxh3_rows as _xxh3_rows
 
 
 def sync_file_range_write(fd: int, offset: int, nbytes: int) -> None:
     """Ask the kernel to start writing ``[offset, offset+nbytes)`` back to disk.
 
-    Returns at once; durability still needs ``fsync``. Raises OSError.
+    Returns at once; durability still needs ``fsync``. Raises OSError, or
+    ValueError for a negative offset or size.
     """
-    if IMPL is not None:
-        IMPL.sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-    else:
-        _TWIN.sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+    _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def page_residency(fd: int, offset: int, nbytes: int) -> np.ndarray:
@@ -270,8 +118,7 @@ def page_residency(fd: int, offset: int, nbytes: int) -> np.ndarray:
         OSError: the file cannot be mapped (a filesystem without mmap).
         ValueError: a negative offset or size.
     """
-    impl = IMPL if IMPL is not None else _TWIN
-    return np.frombuffer(impl.page_residency(fd, offset, nbytes), dtype=np.uint8)
+    return np.frombuffer(_page_residency(fd, offset, nbytes), dtype=np.uint8)
 
 
 def cached_pages(fd: int, ranges: np.ndarray) -> np.ndarray:
@@ -287,29 +134,7 @@ def cached_pages(fd: int, ranges: np.ndarray) -> np.ndarray:
         ValueError: a negative offset or size.
     """
     pairs = np.ascontiguousarray(ranges, dtype=np.int64).reshape(-1, 2)
-    if IMPL is not None:
-        counts = np.frombuffer(IMPL.cached_pages(fd, pairs), dtype=np.uint64)
-        return counts.astype(np.int64)
-    bad = np.nonzero((pairs < 0).any(axis=1))[0]
-    if len(bad):
-        offset, nbytes = pairs[bad[0]].tolist()
-        raise ValueError(
-            f"cached_pages: range {bad[0]} has offset {offset} and nbytes "
-            f"{nbytes}, expected both >= 0"
-        )
-    counts = np.zeros(len(pairs), dtype=np.int64)
-    used = pairs[:, 1] > 0
-    if not used.any():
-        return counts
-    page = mmap.PAGESIZE
-    start = int(pairs[used, 0].min()) // page * page
-    end = int((pairs[used, 0] + pairs[used, 1]).max())
-    resident = np.frombuffer(_TWIN.page_residency(fd, start, end - start), np.uint8)
-    totals = np.concatenate(([0], np.cumsum(resident, dtype=np.int64)))
-    lo = (pairs[used, 0] - start) // page
-    hi = (pairs[used, 0] + pairs[used, 1] - 1 - start) // page + 1
-    counts[used] = totals[hi] - totals[lo]
-    return counts
+    return np.frombuffer(_cached_pages(fd, pairs), dtype=np.uint64).astype(np.int64)
 
 
 def pread_rows_xxh3(
@@ -329,23 +154,7 @@ def pread_rows_xxh3(
         OSError: a read failed, or came back short (EIO: the file ends early).
         ValueError: no parts, more than 64, or a part that is not whole rows.
     """
-    if IMPL is not None and hasattr(IMPL, "pread_rows_xxh3"):
-        return np.frombuffer(IMPL.pread_rows_xxh3(fd, parts, num_rows), dtype="<u8")
-    in_file_order = []
-    for index, (offset, buffer, *flag) in enumerate(parts):
-        view = memoryview(buffer).cast("B")
-        if offset < 0 or num_rows < 1 or len(view) % num_rows:
-            raise ValueError(
-                f"pread_rows_xxh3: part {index} has offset {offset} and "
-                f"{len(view)} bytes, expected offset >= 0 and a multiple of "
-                f"{num_rows} rows"
-            )
-        rows = np.frombuffer(view, np.uint8).reshape(num_rows, -1)
-        order = range(num_rows)[::-1] if flag and flag[0] else range(num_rows)
-        for j, row in enumerate(order):
-            _pread_full(fd, rows[row].data, offset + j * rows.shape[1])
-        in_file_order.append(rows[list(order)])
-    return xxh3_rows(in_file_order, num_rows)
+    return np.frombuffer(_pread_rows_xxh3(fd, parts, num_rows), dtype="<u8")
 
 
 def pread_layers_xxh3(
@@ -360,54 +169,18 @@ def pread_layers_xxh3(
         OSError: a read failed or came back short; which layer is not said.
         ValueError: no layers, or a layer ``pread_rows_xxh3`` would refuse.
     """
-    if IMPL is not None and hasattr(IMPL, "pread_layers_xxh3"):
-        found = np.frombuffer(IMPL.pread_layers_xxh3(fd, layers, num_rows), "<u8")
-        return found.reshape(len(layers), num_rows)
-    if not layers or num_rows < 1:
-        raise ValueError(
-            f"pread_layers_xxh3: found {len(layers)} layers and {num_rows} rows, "
-            "expected >= 1 of each"
-        )
-    return np.stack([pread_rows_xxh3(fd, parts, num_rows) for parts in layers])
-
-
-def _pread_full(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got == 0:
-            raise OSError(errno.EIO, "pread_rows_xxh3 (short read or I/O error)")
-        done += got
+    found = np.frombuffer(_pread_layers_xxh3(fd, layers, num_rows), dtype="<u8")
+    return found.reshape(len(layers), num_rows)
 
 
 def xxh3_rows(parts: Sequence[BufferLike], num_rows: int) -> np.ndarray:
     """``uint64 [num_rows]``: xxh3_64 of row r of every part, concatenated.
 
-    Each part is a C-contiguous buffer of ``num_rows`` equal rows. Native: one
-    call, GIL released (I/O threads run meanwhile). Twin: python-xxhash.
+    Each part is a C-contiguous buffer of ``num_rows`` equal rows (1 to 64
+    parts). Native: one call, GIL released (I/O threads run meanwhile). Twin:
+    python-xxhash.
     """
-    if IMPL is not None and hasattr(IMPL, "xxh3_rows"):
-        return np.frombuffer(IMPL.xxh3_rows(parts, num_rows), dtype="<u8")
-    if not parts or num_rows < 1:
-        raise ValueError(
-            f"xxh3_rows: found {len(parts)} parts and {num_rows} rows, expected "
-            "1..64 parts and >= 1 row"
-        )
-    views = [memoryview(part).cast("B") for part in parts]
-    for index, view in enumerate(views):
-        if len(view) % num_rows:
-            raise ValueError(
-                f"xxh3_rows: part {index} has {len(view)} bytes, expected a "
-                f"multiple of {num_rows} rows"
-            )
-    sizes = [len(view) // num_rows for view in views]
-    sums = np.empty(num_rows, dtype="<u8")
-    for row in range(num_rows):
-        digest = xxhash.xxh3_64()
-        for view, size in zip(views, sizes, strict=True):
-            digest.update(view[row * size : (row + 1) * size])
-        sums[row] = digest.intdigest()
-    return sums
+    return np.frombuffer(_xxh3_rows(parts, num_rows), dtype="<u8")
 
 
 def copy_runs(
@@ -437,7 +210,7 @@ def copy_runs(
         dsts: writable C-contiguous buffers.
         runs: native int64 ``[k, 5]``, C-contiguous (e.g. a numpy array).
         threads: threads for calls of ``_COPY_THREAD_MINSIZE`` bytes or more;
-            None or 0: min(4, online CPUs). The twin ignores it.
+            None or 0: min(4, online CPUs). The twin checks it, then ignores it.
 
     Returns:
         The bytes copied (the sum of ``nbytes``).
@@ -450,55 +223,7 @@ def copy_runs(
         TypeError: ``srcs``/``dsts`` not sequences, or an item not a buffer.
     """
     num_threads = 0 if threads is None else threads
-    if IMPL is not None and hasattr(IMPL, "copy_runs"):
-        return int(IMPL.copy_runs(srcs, dsts, runs, threads=num_threads))
-    return _TWIN.copy_runs(srcs, dsts, runs, num_threads)
-
-
-_LITTLE = sys.byteorder == "little"
-
-
-def _ptr_runs(fn: str, arrays: tuple[BufferLike, ...]) -> list[tuple[int, int, int]]:
-    """``(src, dst, size)`` rows of three int64 arrays, checked as native/ptrs.c
-    checks them."""
-    columns: list[list[int]] = []
-    for name, array in zip(("src_ptrs", "dst_ptrs", "sizes"), arrays, strict=True):
-        view = memoryview(array)
-        fmt = view.format
-        code = fmt[1:] if fmt[:1] in ("@", "=", "<" if _LITTLE else ">") else fmt
-        if (
-            view.itemsize != 8
-            or code not in ("q", "l")
-            or view.ndim != 1
-            or (not view.c_contiguous)
-        ):
-            raise ValueError(
-                f"{fn}: {name} has format '{fmt}', itemsize {view.itemsize} and "
-                f"{view.ndim} dimensions, expected a 1-D C-contiguous native int64 "
-                "array"
-            )
-        columns.append(view.tolist())
-        if len(columns[-1]) != len(columns[0]):
-            raise ValueError(
-                f"{fn}: {name} has {len(columns[-1])} entries and src_ptrs "
-                f"{len(columns[0])}, expected equal lengths"
-            )
-    total = 0
-    for index, (src, dst, size) in enumerate(zip(*columns, strict=True)):
-        if size < 0:
-            raise ValueError(f"{fn}: run {index} has size {size}, expected >= 0")
-        if size > 0 and (src <= 0 or dst <= 0):
-            raise ValueError(
-                f"{fn}: run {index} has src {src} and dst {dst}, expected non-zero "
-                f"addresses (> 0) for a run of {size} bytes"
-            )
-        total += size
-        if total > sys.maxsize:
-            raise ValueError(
-                f"{fn}: the sizes add up to more than {sys.maxsize}, expected at "
-                "most that"
-            )
-    return list(zip(*columns, strict=True))
+    return int(_copy_runs(srcs, dsts, runs, threads=num_threads))
 
 
 def copy_ptrs(
@@ -526,19 +251,19 @@ def copy_ptrs(
             in 0..64.
     """
     num_threads = 0 if threads is None else threads
-    if IMPL is not None:
-        return int(IMPL.copy_ptrs(src_ptrs, dst_ptrs, sizes, threads=num_threads))
-    if not 0 <= num_threads <= _COPY_MAX_THREADS:
-        raise ValueError(
-            f"copy_ptrs: threads is {num_threads}, expected 0 (default) to "
-            f"{_COPY_MAX_THREADS}"
-        )
-    total = 0
-    for src, dst, size in _ptr_runs("copy_ptrs", (src_ptrs, dst_ptrs, sizes)):
-        if size > 0:
-            ctypes.memmove(dst, src, size)
-            total += size
-    return total
+    return int(_copy_ptrs(src_ptrs, dst_ptrs, sizes, threads=num_threads))
+
+
+# Runtime calls for npukv_store.device (native/device.c). No twin: on it each
+# raises OSError(ENOSYS); a runtime library or symbol that is missing raises
+# OSError (ENOENT/ENOSYS) naming it. The batches take the int64 arrays of
+# copy_ptrs, a kind (1 host to device, 2 device to host) and a raw stream
+# handle, enqueue an async copy of every run, and return the bytes enqueued; a
+# failed call raises RuntimeError after the runs before it are enqueued.
+# Unlike the entry points above they look IMPL up when called, as io/uring.py
+# does for Uring: a test sets IMPL to None to see what the twin's process sees
+# (tests/unit/test_device.py), and a registration or a batch costs far more
+# than the lookup.
 
 
 def _device_impl(fn: str) -> ModuleType:
@@ -546,17 +271,9 @@ def _device_impl(fn: str) -> ModuleType:
         raise OSError(
             errno.ENOSYS,
             f"{fn}: needs the C extension npukv_store._native, which is not in "
-            "use (not built, stale, or NPUKV_NATIVE=0)",
+            "use (NPUKV_NATIVE=0)",
         )
     return IMPL
-
-
-# Runtime calls for npukv_store.device (native/device.c). No twin: without the
-# extension each raises OSError(ENOSYS); a runtime library or symbol that is
-# missing raises OSError (ENOENT/ENOSYS) naming it. The batches take the int64
-# arrays of copy_ptrs, a kind (1 host to device, 2 device to host) and a raw
-# stream handle, enqueue an async copy of every run, and return the bytes enqueued;
-# a failed call raises RuntimeError after the runs before it are enqueued.
 
 
 def cuda_memcpy_batch(

@@ -34,8 +34,8 @@ class UringEngine(IOEngine):
     """An io_uring ring with ``queue_depth`` entries.
 
     Raises:
-        ImportError: the native module is not in use (``NPUKV_NATIVE=0``, not
-            built, stale) or was built without ``Uring``; make_engine falls back.
+        ImportError: the C extension is not in use (``NPUKV_NATIVE=0``: the
+            twin has no io_uring); make_engine falls back.
         OSError: the kernel refuses io_uring (seccomp, ``io_uring_disabled``)
             or lacks IORING_OP_READ/WRITE (Linux < 5.6).
         ValueError: ``queue_depth`` outside 1..4096.
@@ -44,16 +44,16 @@ class UringEngine(IOEngine):
     kind = "uring"
 
     def __init__(self, queue_depth: int = 16) -> None:
-        impl = native.IMPL
-        if impl is None or not hasattr(impl, "Uring"):
-            found = "NPUKV_NATIVE=0 or no usable build" if impl is None else "no Uring"
+        impl = native.IMPL  # every build has Uring (native/uring.c)
+        if impl is None:
             raise ImportError(
-                f"io_uring engine: found {found}, expected npukv_store._native.Uring"
+                "io_uring engine: found NPUKV_NATIVE=0 (the pure-Python twin), "
+                "expected the C extension's npukv_store._native.Uring"
             )
         self.queue_depth = queue_depth
         # With several reads in flight, punt them to io_uring's workers: cached
         # pages are then copied on several cores instead of inline on ours
-        # (measured in docs/design.md §13). One read at a time stays inline.
+        # (measured in docs/decisions/0013). One read at a time stays inline.
         self._ring: Uring = impl.Uring(queue_depth, punt_reads=queue_depth > 1)
 
     @property

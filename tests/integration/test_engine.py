@@ -319,12 +319,8 @@ def _refusing_impl() -> types.SimpleNamespace:
 
 @pytest.mark.parametrize(
     ("impl", "reason"),
-    [
-        (None, "NPUKV_NATIVE=0"),
-        (types.SimpleNamespace(), "no Uring"),
-        (_refusing_impl(), "io_uring_setup"),
-    ],
-    ids=["native-off", "built-without-uring", "setup-refused"],
+    [(None, "NPUKV_NATIVE=0"), (_refusing_impl(), "io_uring_setup")],
+    ids=["native-off", "setup-refused"],
 )
 def test_without_uring_auto_falls_back_and_uring_is_refused(
     monkeypatch, caplog, impl, reason

@@ -16,12 +16,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from npukv_store import native
+from npukv_store import _twin, native
 
 MiB = 1 << 20
 THREAD_MINSIZE = 4 * MiB  # native/copy.c NKV_COPY_THREAD_MINSIZE
+needs_native = pytest.mark.skipif(
+    not native.IS_NATIVE, reason="NPUKV_NATIVE=0: the C extension is not in use"
+)
 
 
+@needs_native
 def test_thread_threshold_is_exported():
     from npukv_store import _native
 
@@ -30,8 +34,12 @@ def test_thread_threshold_is_exported():
 
 @pytest.fixture(params=["native", "twin"])
 def impl(request, monkeypatch):
+    """native.copy_runs on each: the twin bound here as NPUKV_NATIVE=0 binds
+    it at import (tests/unit/test_native.py checks that binding)."""
     if request.param == "twin":
-        monkeypatch.setattr(native, "IMPL", None)
+        monkeypatch.setattr(native, "_copy_runs", _twin.copy_runs)
+    elif not native.IS_NATIVE:
+        pytest.skip("NPUKV_NATIVE=0: the C extension is not in use")
     return request.param
 
 
@@ -422,6 +430,7 @@ def threaded_layouts(draw):
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(case=threaded_layouts())
+@needs_native
 def test_threaded_runs_match_reference_loop(hash_kernel, case):
     """The threaded path (granules taken in turn, a run found by its offset in
     the call; streamed with the avx2 kernel, memmove with the baseline) copies

@@ -1,9 +1,16 @@
-"""The C extension and its pure-Python twin (NPUKV_NATIVE=0) pass the same tests."""
+"""The C extension and its pure-Python twin (NPUKV_NATIVE=0) pass the same tests;
+native.py binds one of them at import, and refuses a missing or stale build.
+
+The ``impl`` fixtures run a test on both in one process by binding the twin's
+functions where NPUKV_NATIVE=0 would; scripts/test.sh also runs this file
+with NPUKV_NATIVE=0, where the native cases skip."""
 
 from __future__ import annotations
 
 import errno
+import inspect
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -13,7 +20,23 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from npukv_store import native
+from npukv_store import _twin, native
+
+#: the entry points native.py binds once, each to ``_<name>``
+BOUND = [
+    "sync_file_range",
+    "page_residency",
+    "cached_pages",
+    "xxh3_rows",
+    "pread_rows_xxh3",
+    "pread_layers_xxh3",
+    "copy_runs",
+    "copy_ptrs",
+]
+needs_native = pytest.mark.skipif(
+    not native.IS_NATIVE, reason="NPUKV_NATIVE=0: the C extension is not in use"
+)
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def per_param_settings(examples: int) -> settings:
@@ -26,19 +49,61 @@ def per_param_settings(examples: int) -> settings:
     )
 
 
-def test_extension_is_built_with_the_expected_abi():
-    from npukv_store import _native
-
-    assert _native.ABI_VERSION == native.ABI_VERSION
-    assert native.IS_NATIVE
-    assert _native._GIL_MINSIZE > 0
+def use_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bind the twin's entry points in this process, as NPUKV_NATIVE=0 does at
+    import (IMPL is left alone: the device calls and Uring have no twin)."""
+    for name in BOUND:
+        monkeypatch.setattr(native, f"_{name}", getattr(_twin, name))
 
 
 @pytest.fixture(params=["native", "twin"])
 def impl(request, monkeypatch):
     if request.param == "twin":
-        monkeypatch.setattr(native, "IMPL", None)
+        use_twin(monkeypatch)
+    elif not native.IS_NATIVE:
+        pytest.skip("NPUKV_NATIVE=0: the C extension is not in use")
     return request.param
+
+
+@needs_native
+def test_extension_is_built_with_the_expected_abi():
+    from npukv_store import _native
+
+    assert _native.ABI_VERSION == native.ABI_VERSION
+    assert native.IMPL is _native
+    assert _native._GIL_MINSIZE > 0
+
+
+def test_the_twin_binds_every_entry_point_it_has():
+    """BOUND is all of the twin's public functions, and each is bound to the
+    implementation picked at import: forgetting one would leave a twin
+    function no process ever calls."""
+    twin_functions = {
+        name
+        for name, value in vars(_twin).items()
+        if inspect.isfunction(value)
+        and value.__module__ == _twin.__name__
+        and not name.startswith("_")
+    }
+    assert twin_functions == set(BOUND)
+    picked = native.IMPL if native.IS_NATIVE else _twin
+    for name in BOUND:
+        assert getattr(native, f"_{name}") is getattr(picked, name), name
+
+
+@needs_native
+@pytest.mark.parametrize("name", BOUND)
+def test_the_twin_takes_the_arguments_the_extension_takes(name):
+    """Both are called the same way by native.py (the C docstrings carry text
+    signatures): the same names, kinds and defaults."""
+
+    def shape(fn):
+        return [
+            (p.name, p.kind, p.default)
+            for p in inspect.signature(fn).parameters.values()
+        ]
+
+    assert shape(getattr(_twin, name)) == shape(getattr(native.IMPL, name))
 
 
 def test_sync_file_range(impl, tmp_path):
@@ -92,13 +157,99 @@ def test_page_residency(impl, tmp_path):
         native.page_residency(fd, 0, page)  # closed fd
 
 
-def test_env_selects_the_twin():
-    code = "from npukv_store import native; print(native.IS_NATIVE)"
-    env = {**os.environ, "NPUKV_NATIVE": "0"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+def run_python(code: str, native_env: str | None) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter with NPUKV_NATIVE set to ``native_env``
+    (None: unset), whatever this process has."""
+    env = {k: v for k, v in os.environ.items() if k != "NPUKV_NATIVE"}
+    if native_env is not None:
+        env["NPUKV_NATIVE"] = native_env
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert out.stdout.strip() == "False"
+
+
+# Run before npukv_store is imported: the build is gone (an import of None in
+# sys.modules fails as a missing .so does), or stale (another ABI_VERSION).
+NO_BUILD = 'import sys; sys.modules["npukv_store._native"] = None\n'
+STALE_BUILD = """
+import sys, types
+stale = types.ModuleType("npukv_store._native")
+stale.ABI_VERSION = 7
+stale.__file__ = "/old/_native.so"
+sys.modules["npukv_store._native"] = stale
+"""
+IMPORT = """
+try:
+    import npukv_store
+except ImportError as exc:
+    print("ImportError:", exc)
+else:
+    print("imported, native:", npukv_store.native.IS_NATIVE)
+"""
+
+
+@pytest.mark.parametrize(
+    ("build", "found"),
+    [
+        (NO_BUILD, "found no loadable build (import of npukv_store._native halted"),
+        (STALE_BUILD, "found a stale build with ABI_VERSION 7 (/old/_native.so)"),
+    ],
+    ids=["missing", "stale"],
+)
+@pytest.mark.parametrize("native_env", [None, "1"])
+def test_a_missing_or_stale_build_is_an_import_error(build, found, native_env):
+    """No silent fallback to the twin (3.5x slower warm reads): importing the
+    package fails with one message naming what was found, what was expected
+    and both ways out."""
+    out = run_python(build + IMPORT, native_env)
+    assert out.returncode == 0, out.stderr
+    message = out.stdout.strip()
+    assert message.startswith("ImportError: npukv_store._native: " + found), message
+    assert f"expected a build with ABI_VERSION {native.ABI_VERSION}" in message
+    assert "`pip install -e .`" in message
+    assert "set NPUKV_NATIVE=0 to use the pure-Python twin" in message
+    assert out.stderr == ""  # and no warning besides
+
+
+STORE_ROUND_TRIP = """
+import tempfile
+from npukv_store import KVStore, StoreConfig
+from tests.support.blocks import block_tensors, empty_like_blocks, tiny_spec
+with tempfile.TemporaryDirectory() as cache_dir:
+    store = KVStore(StoreConfig(cache_dir=cache_dir), tiny_spec())
+    keys = store.keys_for(range(64))
+    store.put(keys, block_tensors(store.spec, keys))
+    assert store.read(keys, empty_like_blocks(store.spec, 4)) == [True] * 4
+    assert store.check(verify_data=True) == []
+    store.close()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize(
+    "build", ["", NO_BUILD, STALE_BUILD], ids=["built", "missing", "stale"]
+)
+def test_only_npukv_native_0_selects_the_twin(build):
+    """NPUKV_NATIVE=0 binds the twin (the C module is not even imported, so a
+    missing or stale build does not matter) and a store works on it."""
+    code = f"""
+import sys
+{build}
+before = sys.modules.get("npukv_store._native")
+from npukv_store import _twin, native
+assert native.IMPL is None and not native.IS_NATIVE
+assert all(getattr(native, "_" + n) is getattr(_twin, n) for n in {BOUND!r})
+assert sys.modules.get("npukv_store._native") is before  # never imported
+{STORE_ROUND_TRIP}
+"""
+    out = run_python(code, "0")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
 
 
 def test_xxh3_rows_matches_python_xxhash(impl):
@@ -153,24 +304,16 @@ def test_pread_rows_xxh3_reads_and_hashes_in_one_pass(impl, tmp_path):
     assert closed.value.errno == errno.EBADF
 
 
-def test_native_checksums_are_always_built():
-    """xxhash.h ships in native/third_party, so every build has the GIL-free
-    checksums (built without it, the H200 host's warm reads ran 3.5x slower on
-    the Python twin); a silent fallback would hide a slow verify path."""
-    from npukv_store import _native
-
-    assert hasattr(_native, "xxh3_rows")
-    assert hasattr(_native, "pread_rows_xxh3")
-
-
 @pytest.fixture(params=["native", "native-mincore", "twin"])
 def residency_impl(request, monkeypatch):
     """cached_pages three ways: cachestat, the native mincore fallback (what
     kernels before 6.5 and seccomp-filtered containers get), the twin."""
     if request.param == "twin":
-        monkeypatch.setattr(native, "IMPL", None)
+        use_twin(monkeypatch)
         yield request.param
         return
+    if not native.IS_NATIVE:
+        pytest.skip("NPUKV_NATIVE=0: the C extension is not in use")
     from npukv_store import _native
 
     before = _native._use_cachestat()
@@ -226,6 +369,7 @@ def test_cached_pages_bad_input(residency_impl, tmp_path):
         native.cached_pages(fd, np.array([[0, 4096]]))  # closed fd
 
 
+@needs_native
 def test_the_widest_kernel_is_picked_and_unknown_ones_refused():
     from npukv_store import _native
 
@@ -247,6 +391,7 @@ def test_the_widest_kernel_is_picked_and_unknown_ones_refused():
     ),
     seed=st.integers(0, 2**32 - 1),
 )
+@needs_native
 def test_every_hash_kernel_matches_python_xxhash(
     hash_kernel, tmp_path_factory, num_rows, part_row_bytes, seed
 ):
@@ -345,7 +490,7 @@ def test_pread_layers_xxh3_errors(impl, tmp_path):
         os.close(fd)
 
 
-STREAM_MIN_BYTES = 256 * 1024  # native/checksum.c NKV_STREAM_MIN_BYTES
+STREAM_MIN_BYTES = native.BOUNCE_ABOVE_BYTES  # native/checksum.c NKV_STREAM_MIN_BYTES
 
 
 @per_param_settings(20)
@@ -357,6 +502,7 @@ STREAM_MIN_BYTES = 256 * 1024  # native/checksum.c NKV_STREAM_MIN_BYTES
     misalign=st.integers(0, 63),
     reverse=st.booleans(),
 )
+@needs_native
 def test_large_parts_stream_through_the_bounce_buffer_exactly(
     hash_kernel, tmp_path_factory, num_rows, row_bytes, misalign, reverse
 ):
