@@ -129,7 +129,7 @@ class StoreConfig:
         metadata=_doc(
             "O_DIRECT for chunk writes from the staging ring, and for first reads "
             "of uncached chunks into page-aligned buffers; a second read is "
-            "buffered and admits the chunk to the page cache (docs/design.md §12)."
+            "buffered and admits the chunk to the page cache (docs/decisions/0012)."
         ),
     )
     fsync: str = field(
@@ -169,7 +169,7 @@ class StoreConfig:
             "recompute, from measured prefill throughput; every hit until a few "
             "loads and steps are measured) or always (every hit). A declined "
             "hit is recomputed: this changes time, never outputs "
-            "(docs/design.md §24)."
+            "(docs/decisions/0024)."
         ),
     )
     load_margin: float = field(

@@ -12,8 +12,8 @@ Only ``shape``, ``stride()``, ``element_size()`` and ``data_ptr()`` are read: no
 copy, no device call, no storage size (vllm-ascend over-allocates raw buffers by
 2 MiB to align them, so ``untyped_storage().nbytes()`` is not the block grid). The
 same code therefore describes CPU, CUDA and NPU tensors. torch is not imported
-(DESIGN §3 keeps it to connector/ and device/): any object with those four members
-is a tensor here.
+(docs/architecture.md's import direction keeps it to connector/ and device/):
+any object with those four members is a tensor here.
 
 A page is one block's bytes in segment order: within a tensor in address order
 (physical, not logical: an LBNHC page is [N, H, C]; an LHBNC page is head-major),

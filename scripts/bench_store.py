@@ -35,7 +35,7 @@ written and read back in batches of 64 MiB. Measured in one run:
             stay in the JSON (``read_cold_ratio_per_batch``,
             ``read_warm_ratio_per_batch``, ``per_batch_read_cold_faster``).
   ours/buf  the ``ours/1`` read with ``direct_io=false``: cold, every layer
-            is read buffered. By the store's rule (docs/design.md §19) these
+            is read buffered. By the store's rule (docs/decisions/0019) these
             1 MiB segments go through the engine, 16 requests in flight; a
             second row streams every layer (one thread, file order, kernel
             readahead), as the store does for segments over 4 MiB.

@@ -1,4 +1,4 @@
-"""Device check on a CUDA machine via npukv_store.device (DEVICE.md §1.4, CUDA half).
+"""Device check on a CUDA machine via npukv_store.device (docs/device.md §1.4).
 
 A 1 GiB staging ring (npukv_store.io.ring.StagingRing on /dev/shm) is registered in
 place with the backend. Two KV caches are built on the GPU, ``--layers`` layers

@@ -21,7 +21,7 @@ loads every hit. While it declines hits no load is measured, so it lets one
 load through every PROBE_INTERVAL_S; a probe that shows loads pay again
 restarts the load fit from that probe (the samples before it describe a disk
 that has changed), and the hits after it load while the fit refills.
-docs/design.md §24 has the model and the reasons for its constants.
+docs/decisions/0024 has the model and the reasons for its constants.
 """
 
 from __future__ import annotations

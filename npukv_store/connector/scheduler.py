@@ -479,7 +479,7 @@ def _workers_load_layerwise(vllm_config: Any, settings: StoreConfig) -> bool:
     ``auto`` on a device; ``auto`` stays bulk on the CPU). The lookup's
     readahead hint for the chunks of a hit is issued only then. Before one
     bulk read it costs time: a cold 62 MB chunk read streamed took 141 ms
-    after the hint against 90 ms without (docs/design.md §19)."""
+    after the hint against 90 ms without (docs/decisions/0051)."""
     if settings.layerwise != "auto":
         return settings.layerwise == "on"
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")

@@ -1,7 +1,8 @@
 """Device layer: streams, events, host registration and batched copies per accelerator.
 
 Runs in: the worker process. The only package that knows which accelerator runs
-(DESIGN.md §3); DEVICE.md holds the contract and the facts behind it.
+(docs/architecture.md, import direction); docs/device.md holds the contract and
+the facts behind it.
 
     get_backend(device) - the DeviceBackend for a torch.device (or "cuda:1",
                           "npu:0", "cpu"); imports that backend's module only

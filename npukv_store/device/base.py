@@ -1,4 +1,4 @@
-"""The device contract (DEVICE.md §1.1): what every backend provides.
+"""The device contract (docs/device.md §1.1): what every backend provides.
 
 Runs in: any worker thread, after ``DeviceBackend.bind_thread()`` in that thread.
 

@@ -8,7 +8,7 @@ Runs in: any thread (bind_thread() is a no-op, kept for the protocol).
                  _GIL_MINSIZE bytes); register_host reports registered=False
 
 torch's own CPU stream/event stubs are not used: ``torch.Event("cpu").record()``
-raises ("cpu backend doesn't support events", DEVICE.md §5), and
+raises ("cpu backend doesn't support events", docs/device.md §5), and
 ``pin_memory=True`` raises without an accelerator, so alloc_pinned returns a
 plain tensor.
 """

@@ -1,4 +1,4 @@
-"""The CUDA backend (DEVICE.md §1.2, CUDA column).
+"""The CUDA backend (docs/device.md §1.2, CUDA column).
 
 Runs in: worker threads that have called bind_thread() (torch.cuda.set_device).
 
@@ -12,8 +12,9 @@ Runs in: worker threads that have called bind_thread() (torch.cuda.set_device).
 
 vLLM's op is only used when ``vllm._custom_ops`` is already imported (it is in a
 vLLM worker): importing vLLM here would break the rule that nothing below the
-connector imports vllm (DESIGN.md §3). Both paths are asynchronous only when the
-host side is registered; otherwise the driver copies synchronously.
+connector imports vllm (docs/architecture.md, import direction). Both paths are
+asynchronous only when the host side is registered; otherwise the driver copies
+synchronously.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class CudaBackend:
 
     def new_stream(self) -> Stream:
         # priority_range() is (lowest, highest); vLLM's offload worker takes the
-        # lowest "so KV cache I/O yields to compute streams" (DEVICE.md §1.2).
+        # lowest "so KV cache I/O yields to compute streams" (docs/device.md §1.2).
         # DMA copies are not scheduled by stream priority anyway.
         lowest = self._cuda.Stream.priority_range()[0]
         return TorchStream(self._cuda.Stream(device=self.device, priority=lowest), _RAW)

@@ -11,7 +11,7 @@ Runs in: the worker thread that owns the staging ring (after bind_thread()).
     alloc_pinned()     - a small page-locked tensor, or a pageable one (warning)
 
 Registration never raises on a runtime refusal or a missing runtime: an
-unregistered ring is still correct, only its copies are synchronous (DEVICE.md
+unregistered ring is still correct, only its copies are synchronous (docs/device.md
 §1, rule 3). Bad arguments (a zero pointer, no bytes) are bugs: ValueError.
 """
 

@@ -1,4 +1,4 @@
-"""The Ascend NPU backend (DEVICE.md §1.2, NPU column), on torch_npu's ``torch.npu``.
+"""The Ascend NPU backend (docs/device.md §1.2, NPU column), on ``torch.npu``.
 
 Runs in: worker threads that have called bind_thread(); the NPU device is
 thread-local, so every thread that touches it must (torch.npu.set_device).
@@ -14,7 +14,7 @@ thread-local, so every thread that touches it must (torch.npu.set_device).
           else the C extension's aclrtMemcpyAsync loop (1 H2D, 2 D2H) on the raw
           stream, read from ``npu_stream`` right before the call: that read
           drains torch_npu's task queue, so a wait_event issued through torch
-          is launched before the copies (DEVICE.md §3.2; to confirm on hardware).
+          is launched before the copies (docs/device.md §3.2; to confirm on hardware).
 
 This module is imported only by ``get_backend`` for an "npu" device and touches
 ``torch.npu`` only, never ``torch_npu.contrib.transfer_to_npu`` (which rewrites

@@ -1,4 +1,4 @@
-"""The ordering protocol of DEVICE.md §1.3 as three calls, the same on every device.
+"""The ordering protocol of docs/device.md §1.3 as three calls, on every device.
 
 Runs in: ``record_written`` in the forward thread; the others in a transfer
 thread that has called ``backend.bind_thread()``.

@@ -57,7 +57,7 @@ class ChunkHeaders:
         reads) waited in the disk's queue behind the other chunk in flight's
         64 MiB of data, 35-80 ms, and the chunk's own data went out only after
         it: a cold 1 GiB read ran at 1.2 GB/s where the disk gave 1.6-2.0
-        (docs/design.md §20)."""
+        (docs/decisions/0020)."""
         with self._lock:
             missing = [c for c in chunk_ids if c not in self._headers]
         if len(missing) > 1:

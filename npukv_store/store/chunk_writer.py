@@ -97,7 +97,7 @@ def publish_image(
             # Sized before the first write: writes inside i_size run side by
             # side, where ext4 serialises (and io_uring punts) each extending
             # O_DIRECT write: 1.16 against 1.03 GB/s at queue depth 16
-            # (docs/design.md §21). Buffered writes gained nothing measurable.
+            # (docs/decisions/0021). Buffered writes gained nothing measurable.
             os.ftruncate(fd, padded.nbytes)
             write_image(
                 engine, fd, padded, tail_offset=tail_offset, fill_tail=fill_tail

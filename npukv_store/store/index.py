@@ -23,7 +23,7 @@ Databases (all keys and values are fixed-layout bytes, see the ``_*_FMT``):
                                                          still await its unlink)
 
 The index is a cache of what the chunk files say; :mod:`.recovery` rebuilds it.
-Why LMDB and not SQLite: docs/design.md (measured 256-key lookups and commits).
+Why LMDB and not SQLite: docs/decisions/0001 (measured 256-key lookups and commits).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class Index:
         One cursor's ``set_key`` per key, stopping at the first miss: no value
         is copied out, and the cursor is reused. 256 keys took 84-93 µs
         against 109-122 µs for a ``txn.get`` loop and 201 µs for
-        ``Cursor.getmulti`` (interleaved rounds, docs/design.md §1).
+        ``Cursor.getmulti`` (interleaved rounds, docs/decisions/0001).
         """
         count = 0
         with self._env.begin(db=self._keys) as txn:
@@ -205,7 +205,7 @@ class Index:
     def locate(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
         """``(chunk id, row)`` of each key, or None where it is not stored.
         One reused cursor (256 keys: 124-126 µs against 195-200 µs for
-        ``Cursor.getmulti``, docs/design.md §1)."""
+        ``Cursor.getmulti``, docs/decisions/0001)."""
         unpack = _LOC_FMT.unpack
         with self._env.begin(db=self._keys) as txn:
             cursor = txn.cursor()

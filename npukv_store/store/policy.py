@@ -154,6 +154,6 @@ def admit_on_read(read_before: bool) -> bool:
 
     The first read of a chunk goes around it, a second one is buffered: KV
     read once does not push other data out of memory, and a hot prefix
-    becomes a warm hit from its second use (docs/design.md §12).
+    becomes a warm hit from its second use (docs/decisions/0012).
     """
     return read_before

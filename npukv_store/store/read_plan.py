@@ -10,7 +10,8 @@ choice is tested without files and printed by ``npukv inspect --plan``.
     ChunkReadPlan     - that plan; ``explain()`` is its short text
     ChunkRows         - the rows of one chunk read, with their runs
 
-The routes, in the order the planner tries them (docs/decisions/0019-*.md):
+Decision N is docs/decisions/N-*.md. The routes, in the order the planner
+tries them (decisions 0013, 0018, 0019, 0020):
 
   cached    the layer is wholly in the page cache: read and hashed in one pass
             over memory on the verifier threads (``native.pread_layers_xxh3``)
@@ -33,6 +34,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from npukv_store import native
 from npukv_store.io.direct import DIRECT_ALIGN_BYTES, aligned_buffer
 from npukv_store.store.arrays import DestRows
 from npukv_store.store.format import ChunkHeader
@@ -46,34 +48,35 @@ def _default_verify_threads() -> int:
 class ReadTuning:
     """Every threshold of the read path. The measurements behind them were
     taken on two hosts: "vm", a 2-core VM with a virtio disk (1.5-2.0 GB/s
-    cold), and "h200", a 16-core H200 host; each field names its own."""
+    cold), and "h200", a 16-core H200 host with a virtio disk too; each field
+    names its host and the decision record (docs/decisions/) with the numbers."""
 
     #: A range with at least this share of its pages cached is read buffered:
-    #: copying it from the cache beats a device read (vm; 0012).
+    #: copying it from the cache beats a device read (vm; decision 0012).
     cached_share: float = 0.5
     #: Vectored reads carry at most this many bytes and buffers: 4 MiB requests
-    #: beat 1 MiB per-tensor segments by about 12% cold (vm; 0013).
+    #: beat 1 MiB per-tensor segments by about 12% cold (vm; decision 0013).
     max_request_bytes: int = 4 << 20
     max_iovecs: int = 64
     #: Buffered layers not wholly cached, in segments above this, are streamed;
     #: several huge engine requests at far-apart offsets of one file ran up to
-    #: 2x slower cold than one stream (vm; 0019).
+    #: 2x slower cold than one stream (vm; decision 0019).
     stream_above_bytes: int = 4 << 20
     #: False: no layer is streamed (the engine reads them; A/B runs).
     stream_uncached: bool = True
     #: Verifier threads. pread_rows_xxh3 from the page cache gave 4.1, 10.1 and
-    #: 15.0 GB/s on 1, 4 and 8 threads (h200; 0016); at least 4 even on 2
+    #: 15.0 GB/s on 1, 4 and 8 threads (h200; decision 0016); at least 4 even on 2
     #: cores: warm 1 GiB reads at 6.56/6.85 GB/s against 6.03/6.47 with 2 (vm).
     verify_threads: int = field(default_factory=_default_verify_threads)
     #: Cached layers of a chunk go in this many verifier tasks of consecutive
     #: layers (0 = verify_threads): warm 1 GiB reads of 32-layer chunks, 5.75
-    #: against 5.47 GB/s with one task per layer (vm; 0019).
+    #: against 5.47 GB/s with one task per layer (vm; decision 0019).
     cached_tasks_per_chunk: int = 0
     #: Chunks of one read call in flight: three, as headers are read ahead;
-    #: cold 1 GiB reads 1.523 against 1.451 GB/s with two (vm; 0020).
+    #: cold 1 GiB reads 1.523 against 1.451 GB/s with two (vm; decision 0020).
     chunks_in_flight: int = 3
     #: POSIX_FADV_SEQUENTIAL on buffered chunk fds doubles the readahead window
-    #: of a freshly opened file: +10-15% cold (vm; 0013).
+    #: of a freshly opened file: +10-15% cold (vm; decision 0013).
     sequential_advice: bool = True
     #: Parsed headers kept (chunk files are immutable, ids never reused), and
     #: chunk ids remembered as read once (the page-cache admission set).
@@ -84,7 +87,7 @@ class ReadTuning:
     only_route: Route | None = None
     #: The C code hashes parts from this size through an L2-sized bounce buffer
     #: (native/checksum.c); read-only here, shown so that one table has it.
-    BOUNCE_ABOVE_BYTES = 256 * 1024  # pending: exported by the C module
+    BOUNCE_ABOVE_BYTES = native.BOUNCE_ABOVE_BYTES
 
     @property
     def cached_tasks(self) -> int:
@@ -113,7 +116,7 @@ Item = tuple[int, int]  # (key index, chunk row)
 class ChunkRows:
     """The items of one chunk read with their runs, worked out once per chunk:
     planned again for every layer and tensor, they took a tenth of a warm
-    read's time (0020)."""
+    read's time (decision 0020)."""
 
     __slots__ = ("items", "runs", "row_runs")
 
@@ -367,7 +370,7 @@ def _requests(
     limits; every buffered segment is a request of its own. Cold chunks then go
     to the disk in 4 MiB requests whatever the destination tensors are, while
     cached segments stay separate requests, which io_uring's workers copy on
-    several cores (warm 4.6 against 6.9 GB/s unverified; vm; 0013)."""
+    several cores (warm 4.6 against 6.9 GB/s unverified; vm; decision 0013)."""
     order = sorted(engine, key=lambda e: (e[2], e[1].offset))
     groups: list[list[tuple[int, Segment, bool]]] = []
     end = size = -1

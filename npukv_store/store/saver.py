@@ -164,7 +164,7 @@ class AsyncSaver:
                 self._engine = make_engine(config.io_engine, config.io_queue_depth)
                 # Pinned once: the writer's O_DIRECT writes all come from the
                 # ring, and pinning its 4 KiB shmem pages per request costs
-                # about 13% of the write time (docs/design.md §12).
+                # about 13% of the write time (docs/decisions/0012).
                 self._engine.register_buffer(self.ring.data.data)
             padded = None
             if config.direct_io:  # regions are page-aligned and padded

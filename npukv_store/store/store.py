@@ -472,7 +472,7 @@ class KVStore:
         file is read once, its rows in file order whichever request they fill.
         Where a chunk's rows go to separate buffers (vLLM's pages: blocks in
         two runs of ids), separate calls would each walk the file, and a short
-        run's small ranges would each wait for the disk (docs/design.md §19).
+        run's small ranges would each wait for the disk (docs/decisions/0052).
 
         Every request must name the same tensors. Returns ``read``'s list per
         request. ``touch=False`` leaves the chunks' LRU recency as it is (the

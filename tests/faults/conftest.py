@@ -1,5 +1,5 @@
 """The fault suite's accounting: trials and counters per fault kind, the
-summary table at the end of the run, and docs/faults.json.
+summary table at the end of the run, and docs/benchmarks/faults.json.
 
 Every test here is marked ``@pytest.mark.fault("<kind>")`` (a kind of
 tests/faults/kinds.py) and takes the ``fault`` fixture, a :class:`FaultTrial`
@@ -23,9 +23,9 @@ body runs), so the totals of a green run are 0.
 Two forms. Each test runs as ``[quick]`` (a few trials, no vLLM; part of the
 default run) and as ``[full]`` (more trials; marked ``faults``, so only
 ``pytest -m faults`` runs it), and the kinds that need real vLLM have only a
-``[full]`` form. docs/faults.json is rewritten only by a full run in which every
-registered kind ran (``pytest -m faults tests/faults``); any run also writes its
-summary to the path in ``NPUKV_FAULTS_JSON`` when that is set.
+``[full]`` form. docs/benchmarks/faults.json is rewritten only by a full run in
+which every registered kind ran (``pytest -m faults tests/faults``); any run
+also writes its summary to the path in ``NPUKV_FAULTS_JSON`` when that is set.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from tests.faults.kinds import KINDS, register_all
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-DOCS_JSON = ROOT / "docs" / "faults.json"
+DOCS_JSON = ROOT / "docs" / "benchmarks" / "faults.json"
 COUNTERS = ("wrong_kv_served", "durable_blocks_lost", "process_crashes")
 
 
@@ -104,7 +104,7 @@ class FaultTrial:
         self, spec: Any, keys: Sequence[bytes], out: dict[str, Any], ok: Sequence[bool]
     ) -> int:
         """Count the hits of one read whose bytes are wrong; returns the hits."""
-        from tests.scenarios import verify_read
+        from tests.support.scenarios import verify_read
 
         wrong = verify_read(spec, keys, out, ok)
         self._count("wrong_kv_served", len(wrong), "; ".join(wrong[:3]))
@@ -112,7 +112,7 @@ class FaultTrial:
 
     def read_back(self, store: Any, keys: Sequence[bytes]) -> list[bool]:
         """Read ``keys`` into poisoned buffers; counts wrong hits; the bools."""
-        from tests.scenarios import empty_out
+        from tests.support.scenarios import empty_out
 
         keys = list(keys)
         if not keys:

@@ -2,7 +2,7 @@
 found by the put that wrote them, page-cache control, bit flips, mounts and
 child processes.
 
-Block bytes are a pure function of the key (tests/scenarios.py), so any process
+Block bytes are a pure function of the key (tests/support/scenarios.py), so any process
 can tell right bytes from wrong ones.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from npukv_store import KVStore, StoreConfig
-from tests import scenarios
+from tests.support import scenarios
 
 #: Rows of 8 KiB per part: a chunk of 8 blocks is 384 KiB, so most of its data
 #: lies past the header read (64 KiB) and, with the page cache dropped, is

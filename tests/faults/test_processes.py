@@ -23,15 +23,15 @@ import time
 import pytest
 
 from npukv_store import KVStore
-from tests import scenarios
 from tests.faults import helpers
 from tests.faults.helpers import BIG, BLOCKS, SMALL, config, fill, keys_for
+from tests.support import scenarios
 
 #: A child's preamble: the store, the specs and the fault suite's helpers.
 PRELUDE = """
 import json, os, sys
 from npukv_store import KVStore
-from tests import scenarios
+from tests.support import scenarios
 from tests.faults import helpers
 from tests.faults.helpers import BIG, SMALL, config, keys_for
 def report(**values):

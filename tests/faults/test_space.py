@@ -19,9 +19,9 @@ import pytest
 from npukv_store import ConfigError, KVStore
 from npukv_store.io import faults as io_faults
 from npukv_store.io import ring as ring_mod
-from tests import scenarios
 from tests.faults import helpers
 from tests.faults.helpers import BIG, BLOCKS, SMALL, config, fill, keys_for
+from tests.support import scenarios
 
 
 def _set_faults(monkeypatch: pytest.MonkeyPatch, spec: str | None) -> None:

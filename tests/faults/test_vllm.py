@@ -19,8 +19,8 @@ import pytest
 
 from npukv_store import KVStore
 from npukv_store.io import faults as io_faults
-from tests import scenarios
 from tests.faults import helpers
+from tests.support import scenarios
 
 pytest.importorskip(
     "vllm", reason="the vLLM fault kinds need vLLM (pip install .[vllm])"

@@ -9,7 +9,7 @@ put whose return was logged is still fully readable and found by lookup (when th
 capacity evicts nothing); a put after the last kill still commits (the LMDB write
 lock of a writer killed inside its transaction was recovered).
 
-Trial classes (details in ``tests/scenarios.py``):
+Trial classes (details in ``tests/support/scenarios.py``):
 
 * ``test_sigkill_at_random_points``: 10 kills at uniform 0-150 ms after the child
   is ready, alternating a plain child and one whose publish steps nap 0-3 ms
@@ -27,22 +27,18 @@ from __future__ import annotations
 
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/scenarios.py
-import scenarios  # noqa: E402
-from scenarios import (  # noqa: E402
+from npukv_store import KVStore, StoreConfig  # noqa: E402
+from tests.support import scenarios
+from tests.support.scenarios import (
     EVICT_PHASES,
     PUBLISH_PHASES,
     random_plan,
     run_crash_trials,
     targeted_plan,
 )
-
-from npukv_store import KVStore, StoreConfig  # noqa: E402
 
 
 @pytest.mark.timeout(180)

@@ -14,16 +14,13 @@ byte, the job really rewrote chunks many times, and the directory passes
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from npukv_store.maintenance import Options, run
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/scenarios.py
-import scenarios  # noqa: E402
+from tests.support import scenarios
 
 
 @pytest.mark.timeout(240)

@@ -20,13 +20,10 @@ The stress form (``tests/stress/test_stress.py``) runs the same scenario longer.
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/scenarios.py
-import scenarios  # noqa: E402
+from tests.support import scenarios
 
 
 @pytest.mark.timeout(120)

@@ -1,5 +1,5 @@
 """A read over several chunks parses every uncached header before it asks for
-any chunk's data (ChunkReader._load_headers, docs/design.md §20): read chunk by
+any chunk's data (ChunkHeaders.prefetch, docs/decisions/0020): read chunk by
 chunk, a cold header waited in the disk's queue behind the other chunk's data.
 A header that fails to parse there is left for the chunk's own read, which
 counts and reports it once."""

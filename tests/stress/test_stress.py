@@ -1,7 +1,7 @@
 """Stress forms of the multi-process and SIGKILL scenarios (``pytest -m stress``).
 
 Same scenarios and oracles as ``tests/integration/test_multiprocess.py`` and
-``test_crash.py`` (see ``tests/scenarios.py``), run longer and with more kills:
+``test_crash.py`` (see ``tests/support/scenarios.py``), run longer and with more kills:
 
 * multi-process: 6 spawned workers for ``--seconds`` (default 20) on a cache of
   eight chunks; every read is right or a miss, the ledger stays within capacity
@@ -31,8 +31,9 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/scenarios.py
-import scenarios  # noqa: E402
+# the repository root: this file also runs as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.support import scenarios  # noqa: E402
 
 DEFAULT_SECONDS = 20.0
 DEFAULT_TRIALS = 50

@@ -1,5 +1,5 @@
-"""Block keys: the DESIGN §4 chain formula, golden vectors, and independence from
-the process and PYTHONHASHSEED."""
+"""Block keys: the chain formula of docs/format.md §4, golden vectors, and
+independence from the process and PYTHONHASHSEED."""
 
 from __future__ import annotations
 

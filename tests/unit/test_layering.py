@@ -1,5 +1,6 @@
-"""DESIGN §3 import direction, checked by walking every module's imports, plus
-the promise that the store layer works without torch or vllm installed."""
+"""The import direction of docs/architecture.md, checked by walking every
+module's imports, plus the promise that the store layer works without torch or
+vllm installed."""
 
 from __future__ import annotations
 

@@ -195,8 +195,9 @@ def test_vllm_layout_segments_and_round_trip(layout):
 
 
 def test_cpu_attn_measured_shape():
-    """VLLM.md 1.6: CPU_ATTN, 2 heads, head 64, f32, block 32: shape [B, 2, 32, 128],
-    stride (8192, 4096, 128, 1), block_stride 32768 B, one page per block."""
+    """docs/vllm.md §1: CPU_ATTN, 2 heads, head 64, f32, block 32: shape
+    [B, 2, 32, 128], stride (8192, 4096, 128, 1), block_stride 32768 B, one
+    page per block."""
     case = vllm_case("LBHNC", torch.float32, L=2, B=16, H=2, N=32, C=128)
     assert case.values[1].stride() == (8192, 4096, 128, 1)
     got = describe_layer("model.layers.1.self_attn.attn", case.values[1], 16)
