@@ -32,12 +32,11 @@ from npukv_store.spec import NamespaceSpec
 from npukv_store.store import policy
 from npukv_store.store.arrays import DestRows
 from npukv_store.store.chunk_headers import ChunkHeaders
+from npukv_store.store.chunk_rows import ChunkRows, Item
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import ChunkHeader
 from npukv_store.store.read_plan import (
     ChunkReadPlan,
-    ChunkRows,
-    Item,
     ReadTuning,
     plan_chunk_read,
     whole_chunk_plan,

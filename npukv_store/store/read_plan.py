@@ -8,7 +8,6 @@ choice is tested without files and printed by ``npukv inspect --plan``.
     plan_chunk_read() - one route per layer, with its reason, and the engine requests
     whole_chunk_plan() - the plan of reading all of a chunk (npukv inspect --plan)
     ChunkReadPlan     - that plan; ``explain()`` is its short text
-    ChunkRows         - the rows of one chunk read, with their runs
 
 Decision N is docs/decisions/N-*.md. The routes, in the order the planner
 tries them (decisions 0013, 0018, 0019, 0020):
@@ -37,6 +36,7 @@ import numpy as np
 from npukv_store import native
 from npukv_store.io.direct import DIRECT_ALIGN_BYTES, aligned_buffer
 from npukv_store.store.arrays import DestRows
+from npukv_store.store.chunk_rows import ChunkRows
 from npukv_store.store.format import ChunkHeader
 
 
@@ -108,22 +108,6 @@ class Segment(NamedTuple):
     first: int  # key index of the first row
     num_rows: int
     dest: np.ndarray
-
-
-Item = tuple[int, int]  # (key index, chunk row)
-
-
-class ChunkRows:
-    """The items of one chunk read with their runs, worked out once per chunk:
-    planned again for every layer and tensor, they took a tenth of a warm
-    read's time (decision 0020)."""
-
-    __slots__ = ("items", "runs", "row_runs")
-
-    def __init__(self, items: list[Item]) -> None:
-        self.items = items
-        self.runs = _runs(items)
-        self.row_runs = _row_runs(items)
 
 
 @dataclass(frozen=True)
@@ -238,7 +222,9 @@ def plan_chunk_read(
     )
     found = residency(ranges) if flat else np.zeros(0)
     # unknown: treat as uncached, which is what the reads find out anyway
-    shares = np.zeros(len(flat)) if found is None else np.asarray(found, float)
+    shares: list[float] = (
+        [0.0] * len(flat) if found is None else np.asarray(found, float).tolist()
+    )
     only = tuning.only_route
     # O_DIRECT only where residency is known: reading around a cache that
     # holds the range costs a device read where a copy would do
@@ -299,13 +285,13 @@ def whole_chunk_plan(
 def _route(
     li: int,
     segments: list[Segment],
-    shares: np.ndarray,
+    shares: list[float],
     tuning: ReadTuning,
     only: Route | None,
     first_read: bool,
     verify: bool,
 ) -> LayerRead:
-    share = float(shares.min()) if len(shares) else 1.0
+    share = min(shares) if shares else 1.0
     buffered = (False,) * len(segments)
 
     def layer(
@@ -319,7 +305,10 @@ def _route(
         return layer(Route.ENGINE, "cached, unverified: the engine's workers copy it")
     if first_read and only in (None, Route.DIRECT):
         direct = tuple(
-            read_around_cache(float(s), _aligned(seg), tuning.cached_share)
+            # around the cache only where it mostly lacks the range (a cached
+            # range is cheaper to copy than to read again), and O_DIRECT
+            # needs offset, length and address aligned
+            s < tuning.cached_share and _aligned(seg)
             for seg, s in zip(segments, shares, strict=True)
         )
         if all(direct):
@@ -348,13 +337,6 @@ def _route(
     if not first_read:
         return layer(Route.ENGINE, "buffered (read before, or direct I/O off)")
     return layer(Route.ENGINE, "buffered (unaligned or mostly cached)")
-
-
-def read_around_cache(cached_share: float, aligned: bool, threshold: float) -> bool:
-    """Whether a range is read with O_DIRECT: only an aligned range that the
-    page cache mostly lacks (O_DIRECT needs alignment; a cached range is
-    cheaper to copy than to read again)."""
-    return aligned and cached_share < threshold
 
 
 def _aligned(segment: Segment) -> bool:
@@ -393,37 +375,6 @@ def _requests(
             size = nbytes
         end = segment.offset + nbytes
     return [EngineRequest(g[0][2], tuple((p, s) for p, s, _ in g)) for g in groups]
-
-
-def _row_runs(items: list[Item]) -> list[tuple[int, int, int, int]]:
-    """``(key index of the first row, first row, count, step)`` of maximal runs
-    of consecutive rows whose key index goes up (step 1) or down (step -1) by
-    one per row: a run going down is one range of the file whose keys' rows
-    sit in memory in reverse order (vLLM's descending block ids)."""
-    runs: list[list[int]] = []
-    for i, row in sorted(items, key=lambda item: item[1]):
-        last = runs[-1] if runs else None
-        if last and row == last[1] + last[2]:
-            step = i - (last[0] + last[3] * (last[2] - 1))
-            if step in (1, -1) and (last[2] == 1 or step == last[3]):
-                last[2] += 1
-                last[3] = step
-                continue
-        runs.append([i, row, 1, 1])
-    return [(first, row, count, step) for first, row, count, step in runs]
-
-
-def _runs(items: list[Item]) -> list[tuple[int, int, int]]:
-    """``(first key index, first row, count)`` of maximal runs in which both the
-    key index and the row go up by one."""
-    runs: list[list[int]] = []
-    for i, row in sorted(items, key=lambda item: item[1]):
-        last = runs[-1] if runs else None
-        if last and i == last[0] + last[2] and row == last[1] + last[2]:
-            last[2] += 1
-        else:
-            runs.append([i, row, 1])
-    return [(first, row, count) for first, row, count in runs]
 
 
 def _ranges(values: list[int]) -> str:

@@ -30,8 +30,9 @@ from npukv_store import native
 from npukv_store.io.direct import open_direct
 from npukv_store.io.engine import READ, IOEngine, IORequest
 from npukv_store.store.arrays import DestRows
+from npukv_store.store.chunk_rows import ChunkRows
 from npukv_store.store.format import ChunkHeader, layer_checksums
-from npukv_store.store.read_plan import ChunkReadPlan, ChunkRows
+from npukv_store.store.read_plan import ChunkReadPlan
 from npukv_store.store.stats import StoreCounters
 
 logger = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from npukv_store.io.direct import aligned_buffer
+from npukv_store.store.chunk_rows import ChunkRows
 from npukv_store.store.format import ChunkHeader, TensorEntry
 from npukv_store.store.read_plan import (
-    ChunkRows,
     ReadTuning,
     Route,
     plan_chunk_read,

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from npukv_store.store import read_routes
-from npukv_store.store.read_plan import ReadTuning, Segment, _requests, _row_runs
+from npukv_store.store.chunk_rows import _row_runs
+from npukv_store.store.read_plan import ReadTuning, Segment, _requests
 
 TUNING = ReadTuning()
 
