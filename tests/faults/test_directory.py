@@ -36,7 +36,7 @@ def _connector_turns_off(fault, cfg: StoreConfig, caplog, *reasons: str) -> None
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from npukv_store.connector.connector import NPUKVStoreConnector
-    from tests.unit.test_connector import cpu_caches, engine_config, make_request
+    from tests.support.connector import cpu_caches, engine_config, make_request
 
     extra = {k: getattr(cfg, k) for k in ("cache_dir", "capacity", "ring_size")}
     caplog.clear()

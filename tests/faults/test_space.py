@@ -332,7 +332,7 @@ def test_connector_worker_turns_off_when_the_ring_does_not_fit(fault, tmp_path, 
     pytest.importorskip("vllm", reason="the connector needs vLLM")
     from npukv_store.connector.metadata import NPUKVMetadata
     from npukv_store.connector.worker import WorkerSide
-    from tests.unit.test_connector import cpu_caches, engine_config, transfer
+    from tests.support.connector import cpu_caches, engine_config, transfer
 
     for trial in fault.trials(1, 2):
         cfg = config(tmp_path / f"c{trial}", ring_size=_too_large())

@@ -24,7 +24,7 @@ from npukv_store.connector.load_policy import (  # noqa: E402
 from npukv_store.connector.metadata import NPUKVMetadata  # noqa: E402
 from npukv_store.connector.scheduler import SchedulerSide  # noqa: E402
 from npukv_store.connector.worker import WorkerSide  # noqa: E402
-from tests.unit.test_connector import (  # noqa: E402
+from tests.support.connector import (  # noqa: E402
     BLOCK,
     cpu_caches,
     engine_config,
@@ -33,7 +33,7 @@ from tests.unit.test_connector import (  # noqa: E402
     settings,
     transfer,
 )
-from tests.unit.test_load_policy import Clock, measured_policy  # noqa: E402
+from tests.support.load_policy import Clock, measured_policy  # noqa: E402
 
 BLOCKS = 8
 #: compute "costs" 1 ms a token (a sleep inside the step): recomputing the

@@ -25,7 +25,7 @@ from npukv_store.connector.namespace import engine_namespaces  # noqa: E402
 from npukv_store.connector.scheduler import SchedulerSide  # noqa: E402
 from npukv_store.connector.worker import WorkerSide  # noqa: E402
 from npukv_store.hashing import namespace_fingerprint  # noqa: E402
-from tests.unit.test_connector import (  # noqa: E402
+from tests.support.connector import (  # noqa: E402
     BLOCK,
     HEAD_DIM,
     HEADS,

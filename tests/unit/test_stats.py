@@ -14,7 +14,7 @@ pytest.importorskip("vllm", reason="the connector needs vLLM (pip install .[vllm
 from npukv_store.connector import worker as worker_module  # noqa: E402
 from npukv_store.connector.metadata import NPUKVMetadata  # noqa: E402
 from npukv_store.connector.stats import COUNTERS, NPUKVStats  # noqa: E402
-from tests.unit.test_connector import (  # noqa: E402
+from tests.support.connector import (  # noqa: E402
     LAYERS,
     PAGE,
     cpu_caches,

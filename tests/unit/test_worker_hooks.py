@@ -27,7 +27,7 @@ from npukv_store.connector.connector import NPUKVStoreConnector  # noqa: E402
 from npukv_store.connector.loader import LayerLoader  # noqa: E402
 from npukv_store.connector.metadata import NPUKVMetadata  # noqa: E402
 from npukv_store.device.cpu import CpuBackend  # noqa: E402
-from tests.unit.test_connector import (  # noqa: E402
+from tests.support.connector import (  # noqa: E402
     LAYERS,
     cpu_caches,
     engine_config,
