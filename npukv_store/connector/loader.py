@@ -121,6 +121,12 @@ class LayerLoader:
         self.depth = depth
         self._slots = [_HostSlot(backend) for _ in range(depth)]
         self._host_view = getattr(backend, "host_view", None)  # CPU backend only
+        #: per layer, its pages as one writable byte array (host-addressable
+        #: KV only), built here: a load slices it. Made per load, each view
+        #: cost a ctypes type per new size (12-25 us) and the first one the
+        #: lazy import of numpy.ctypeslib (0.8 ms, and a disk read after a
+        #: page-cache drop) inside the first hit's start_load_kv.
+        self._pages = [self._layer_pages(layer.layout) for layer in self._layers]
         self._readers = ThreadPoolExecutor(
             max_workers=depth,
             thread_name_prefix="npukv-read",
@@ -290,6 +296,19 @@ class LayerLoader:
 
     # -- straight into the pages (host-addressable KV: the CPU) -----------------
 
+    def _layer_pages(self, layout: LayerLayout) -> np.ndarray | None:
+        """All of one layer's pages as a byte array, where they can be read
+        into in place (see _direct_runs); None otherwise."""
+        if self._host_view is None or len(layout.segments) != 1:
+            return None
+        (segment,) = layout.segments
+        if not segment.block_stride == segment.run_bytes == layout.page_bytes:
+            return None
+        view: np.ndarray = self._host_view(
+            segment.base_ptr, segment.num_blocks * layout.page_bytes
+        )
+        return view
+
     def _direct_runs(
         self, layout: LayerLayout, block_ids: list[int]
     ) -> list[tuple[int, int, int]] | None:
@@ -297,8 +316,10 @@ class LayerLoader:
         (step 1) or down (step -1) by one, when the pages can be read into in
         place: host-addressable memory, one run per block, blocks adjacent.
         None otherwise, or when the runs are so short that one read into a
-        slot plus one copy is cheaper. (vLLM hands a request the blocks another
-        one freed, often in descending order.)"""
+        slot plus one copy is cheaper; a single run never is (one read per
+        layer either way, and in place no copy follows), so a short hit of
+        adjacent blocks takes the same path as a long one. (vLLM hands a
+        request the blocks another one freed, often in descending order.)"""
         if self._host_view is None or len(layout.segments) != 1 or not block_ids:
             return None
         (segment,) = layout.segments
@@ -313,7 +334,7 @@ class LayerLoader:
                     runs[-1] = (first, count + 1, gap)
                     continue
             runs.append((row, 1, 1))
-        return runs if len(runs) * 4 <= len(block_ids) else None
+        return runs if len(runs) == 1 or len(runs) * 4 <= len(block_ids) else None
 
     def _read_all_direct(self, job: LoadJob) -> bool:
         """Read every layer in place, one store call per group and run of
@@ -350,7 +371,6 @@ class LayerLoader:
         then read once, in file order; the store verifies each layer while it
         reads the next). A row that fails leaves its page unspecified; it is
         reported and recomputed."""
-        assert self._host_view is not None
         keys, block_ids = job.keys[group], job.block_ids[group]
         requests = []
         run_rows = []
@@ -361,11 +381,11 @@ class LayerLoader:
             low_block = block_ids[rows[0]]
             out = {}
             for index in indices:
-                layer = self._layers[index]
-                (segment,) = layer.layout.segments
-                address = segment.base_ptr + low_block * segment.block_stride
-                pages = self._host_view(address, count * layer.layout.page_bytes)
-                out[layer.tensor] = pages.reshape(count, layer.layout.page_bytes)
+                layer, layer_pages = self._layers[index], self._pages[index]
+                assert layer_pages is not None  # _direct_runs said in place
+                page = layer.layout.page_bytes
+                pages = layer_pages[low_block * page : (low_block + count) * page]
+                out[layer.tensor] = pages.reshape(count, page)
             requests.append(([keys[row] for row in rows], out))
             run_rows.append(rows)
         failed: list[int] = []

@@ -134,14 +134,16 @@ def test_readahead_hint_only_where_workers_load_layerwise(
         ("on", "off", [10, 11, 12, 13, 14]),
         ("off", "off", [14, 13, 12, 11, 10]),  # descending: in place as well
         ("on", "on", [24, 23, 22, 21, 20]),
+        ("off", "off", [7, 8]),  # a short single run: in place too
+        ("off", "on", [9]),
     ],
 )
 def test_worker_saves_and_loads_blocks_bit_exact(
     tmp_path, save_mode, load_mode, dst_ids
 ):
     source = cpu_caches(seed=1)
-    keys = [bytes([i]) * 16 for i in range(5)]
-    src_ids = [3, 17, 4, 30, 9]
+    keys = [bytes([i]) * 16 for i in range(5)][: len(dst_ids)]
+    src_ids = [3, 17, 4, 30, 9][: len(dst_ids)]
     saver = worker_for(tmp_path, source, layerwise=save_mode)
     saver.bind(NPUKVMetadata(saves=[transfer(keys, src_ids)]))
     for name in LAYERS:  # the layer hooks (a no-op in bulk mode)
@@ -174,6 +176,35 @@ def test_worker_saves_and_loads_blocks_bit_exact(
         torch.testing.assert_close(target[name][dst_ids], source[name][src_ids])
         others = [b for b in range(NUM_BLOCKS) if b not in dst_ids]
         torch.testing.assert_close(target[name][others], before[name][others])
+    loader.close()
+
+
+def test_in_place_loads_slice_views_made_at_register(tmp_path):
+    """The pages a direct load reads into are slices of per-layer views made
+    when the loader is built: a hit's start_load_kv makes no host view (each
+    cost a ctypes type, the first one numpy.ctypeslib's lazy import)."""
+    source = cpu_caches(seed=5)
+    keys = [bytes([60 + i]) * 16 for i in range(3)]
+    saver = worker_for(tmp_path, source, layerwise="off")
+    saver.bind(NPUKVMetadata(saves=[transfer(keys, [2, 3, 4])]))
+    saver.finish_step()
+    assert saver.store is not None
+    assert saver.store.flush(timeout_s=30)
+    saver.close()
+    target = cpu_caches(seed=6)
+    loader = worker_for(tmp_path, target, layerwise="off")
+    assert loader.loader is not None
+
+    def no_view(ptr: int, nbytes: int) -> None:
+        raise AssertionError("a host view made on the load path")
+
+    loader.loader._host_view = no_view  # type: ignore[assignment]
+    loader.bind(NPUKVMetadata(loads=[transfer(keys, [20, 21, 22])]))
+    loader.start_load()
+    loader.finish_step()
+    assert loader.take_load_errors() == set()
+    for name in LAYERS:
+        torch.testing.assert_close(target[name][[20, 21, 22]], source[name][[2, 3, 4]])
     loader.close()
 
 
