@@ -12,10 +12,18 @@ this script as a subprocess:
 
 ``run`` generates greedily for each prompt in order, one request at a time, and
 writes ``{"results": [{"tokens", "num_cached_tokens", "external_tokens",
-"seconds"}...], ...}``. ``external_tokens`` (the tokens our connector claimed
+"seconds", "cpu_wait_ms", "psi_cpu_ms"}...], ...}`` (the last two: how long
+the calling thread, and some task of the machine, waited for a CPU during the
+call; see cpu_waits). ``external_tokens`` (the tokens our connector claimed
 for the prompt) needs VLLM_ENABLE_V1_MULTIPROCESSING=0: it is read from the
 scheduler-side connector in this process; None otherwise. vLLM's prefix cache
 is on, as in production (``--no-prefix-caching`` turns it off).
+
+``--connector memory`` is scripts/memory_connector.py (in-process only: a
+prompt's KV kept in host memory, the second request of it a hit). For
+scripts/profile_cold_hit.py: ``--trace FILE`` times vLLM's steps and the
+connectors' hooks (install() there, before vLLM starts) and
+``--pause-after-warmup DIR`` waits for a profiler around the timed prompts.
 
 Test-only hooks, in-process mode too: ``--record-kv FILE`` writes a digest of
 every KV block page the connector saves (by key and layer, taken when the
@@ -226,6 +234,13 @@ def transfer_config(connector: str, extra: dict[str, Any]) -> Any:
             kv_role="kv_both",
             kv_connector_extra_config=extra,
         )
+    if connector == "memory":  # scripts/memory_connector.py (in-process only)
+        return KVTransferConfig(
+            kv_connector="MemoryConnector",
+            kv_connector_module_path="memory_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+        )
     return None
 
 
@@ -247,7 +262,36 @@ def pretend_accelerator() -> None:
     CpuBackend.kind = "npu"  # type: ignore[assignment]
 
 
+def cpu_waits() -> dict[str, float]:
+    """Milliseconds this thread has been runnable without a CPU
+    (``cpu_wait_ms``, /proc/thread-self/schedstat) and some task of the
+    machine has (``psi_cpu_ms``, /proc/pressure/cpu): their growth over a
+    timed call says how much of it other work took (2 cores, shared)."""
+    found = {"cpu_wait_ms": 0.0, "psi_cpu_ms": 0.0}
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            found["cpu_wait_ms"] = int(f.read().split()[1]) / 1e6
+        with open("/proc/pressure/cpu") as f:
+            found["psi_cpu_ms"] = int(f.readline().split()[-1].split("=")[1]) / 1e3
+    except (OSError, IndexError, ValueError):
+        pass
+    return found
+
+
+def _wait_for_gate(gate: str, ready: str, go: str) -> None:
+    """``--pause-after-warmup``: say ``ready`` (a file in ``gate``), then wait
+    until the caller creates ``go`` (it attaches a profiler meanwhile)."""
+    open(os.path.join(gate, ready), "w").close()
+    while not os.path.exists(os.path.join(gate, go)):
+        time.sleep(0.01)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    tracer = None
+    if args.trace:  # scripts/profile_cold_hit.py: wrap before vLLM starts
+        import profile_cold_hit
+
+        tracer = profile_cold_hit.install()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -284,10 +328,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     startup_s = time.perf_counter() - started
     # The first requests of a process pay one-off costs (kernel selection for
     # new shapes, engines, threads); a short unrelated prompt takes them first.
-    warmup = [TokensPrompt(prompt_token_ids=[5 + i for i in range(WARMUP_TOKENS)])]
-    llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    # --warmup-repeat 2 sends it twice: the second is a hit wherever the first
+    # can fill one (vLLM's prefix cache, the memory connector), and with
+    # --warmup-tokens set to a prompt's length modulo the block size (plus whole
+    # blocks) every row's warm-up runs the forward shape of the timed hits.
+    warmup = [TokensPrompt(prompt_token_ids=[5 + i for i in range(args.warmup_tokens)])]
+    for _ in range(args.warmup_repeat):
+        llm.generate(
+            warmup, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False
+        )
     if args.drop_hooks_after_warmup:  # a platform that stops calling them
         suppress_layer_hooks()
+    if args.pause_after_warmup:
+        _wait_for_gate(args.pause_after_warmup, "ready", "go")
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True
     )
@@ -304,20 +357,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 use_tqdm=False,
             )
             ttft_s = time.perf_counter() - begin
+        waits = cpu_waits()
         begin = time.perf_counter()
         (output,) = llm.generate(
             [TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False
         )
+        seconds = time.perf_counter() - begin
+        after = cpu_waits()
         results.append(
             {
                 "tokens": list(output.outputs[0].token_ids),
                 "num_cached_tokens": output.num_cached_tokens or 0,
                 "external_tokens": None if external is None else external[-1],
-                "seconds": time.perf_counter() - begin,
+                "seconds": seconds,
                 "ttft_s": ttft_s,
+                **{k: round(after[k] - waits[k], 3) for k in waits},
             }
         )
+    if args.pause_after_warmup:
+        _wait_for_gate(args.pause_after_warmup, "done", "exit")
     report: dict[str, Any] = {"startup_s": startup_s, "results": results}
+    if args.connector == "memory":
+        import memory_connector
+
+        report["memory_load_s"] = memory_connector.load_seconds()
+    if tracer is not None:
+        tracer.dump(args.trace, {"memory_load_s": report.get("memory_load_s")})
     if recorder is not None:
         with open(args.record_kv, "w") as f:
             json.dump(recorder.report(), f)
@@ -352,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--model", required=True)
     go.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     go.add_argument("--out", required=True)
-    go.add_argument("--connector", choices=("none", "npukv", "example"), default="none")
+    go.add_argument(
+        "--connector", choices=("none", "npukv", "example", "memory"), default="none"
+    )
     go.add_argument("--extra", default="", help="kv_connector_extra_config as JSON")
     go.add_argument("--max-tokens", type=int, default=8)
     go.add_argument(
@@ -392,6 +459,22 @@ def main(argv: list[str] | None = None) -> int:
         "--hma", choices=("on", "off"), help="force vLLM's hybrid KV cache manager"
     )
     go.add_argument("--record-kv", default="", help="write saved/loaded KV digests")
+    go.add_argument(
+        "--trace", default="",
+        help="time vLLM's and the connectors' steps (profile_cold_hit.py) into FILE",
+    )  # fmt: skip
+    go.add_argument(
+        "--warmup-tokens", type=int, default=WARMUP_TOKENS,
+        help="tokens of the warm-up prompt (tokens 5, 6, ...)",
+    )  # fmt: skip
+    go.add_argument(
+        "--warmup-repeat", type=int, default=1, help="send the warm-up prompt N times"
+    )
+    go.add_argument(
+        "--pause-after-warmup", default="", metavar="DIR",
+        help="after the warm-up write DIR/ready and wait for DIR/go; after the "
+        "prompts write DIR/done and wait for DIR/exit (to attach a profiler)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.command == "build-model" and args.family:
         build_family(args.path, args.family, args.seed)
