@@ -207,6 +207,62 @@ class StoreConfig:
         ),
     )
 
+    remote_store: str = field(
+        default="none",
+        metadata=_doc(
+            "The tier behind the local store: none, or mooncake (Mooncake Store, "
+            "shared by the nodes that name the same mooncake_master; "
+            "docs/decisions/0055)."
+        ),
+    )
+    mooncake_master: str = field(
+        default="",
+        metadata=_doc("HOST:PORT of mooncake_master's RPC (remote_store: mooncake)."),
+    )
+    mooncake_metadata: str = field(
+        default="P2PHANDSHAKE",
+        metadata=_doc(
+            "Mooncake's metadata server: P2PHANDSHAKE (none needed), or a URL "
+            "such as http://HOST:PORT/metadata."
+        ),
+    )
+    mooncake_protocol: str = field(
+        default="tcp",
+        metadata=_doc("Mooncake transfer protocol: tcp, rdma or ascend."),
+    )
+    mooncake_device: str = field(
+        default="",
+        metadata=_doc(
+            "RDMA devices for protocol rdma (e.g. mlx5_0,mlx5_1); empty: "
+            "Mooncake's choice."
+        ),
+    )
+    mooncake_segment_size: int = field(
+        default=parse_size("1GiB"),
+        metadata=_doc(
+            "Bytes of host memory this process contributes to Mooncake's pool "
+            "(0: none; values then live in other nodes' segments)."
+        ),
+    )
+    mooncake_local_buffer: int = field(
+        default=parse_size("64MiB"),
+        metadata=_doc("Bytes of Mooncake's own transfer buffer in this process."),
+    )
+    remote_timeout_ms: float = field(
+        default=20.0,
+        metadata=_doc(
+            "The longest a scheduler step waits for the remote tier's lookups, "
+            "in all; what is not answered by then is a local-only hit."
+        ),
+    )
+    remote_promote: bool = field(
+        default=True,
+        metadata=_doc(
+            "Write blocks loaded from the remote tier into the local store, so "
+            "that the next hit on them is local."
+        ),
+    )
+
     def __post_init__(self) -> None:
         if not isinstance(self.cache_dir, str | os.PathLike) or not str(self.cache_dir):
             raise ConfigError(
@@ -246,9 +302,52 @@ class StoreConfig:
             raise ConfigError(
                 f"namespace_extra: found {self.namespace_extra!r}, expected a string"
             )
+        self._check_remote()
         if self.index_map_size < (1 << 20):
             raise ConfigError(
                 f"index_map_size: found {self.index_map_size} bytes, expected >= 1MiB"
+            )
+
+    def _check_remote(self) -> None:
+        self._check_choice("remote_store", ("none", "mooncake"))
+        self._check_choice("mooncake_protocol", ("tcp", "rdma", "ascend"))
+        for key in ("mooncake_segment_size", "mooncake_local_buffer"):
+            object.__setattr__(self, key, parse_size(getattr(self, key), key=key))
+        object.__setattr__(
+            self, "remote_promote", _parse_bool(self.remote_promote, "remote_promote")
+        )
+        timeout = _parse_number(self.remote_timeout_ms, "remote_timeout_ms", float)
+        if not math.isfinite(timeout) or not 0 < timeout <= 60_000:
+            raise ConfigError(
+                f"remote_timeout_ms: found {timeout}, expected milliseconds in "
+                "(0, 60000]"
+            )
+        object.__setattr__(self, "remote_timeout_ms", timeout)
+        for key in ("mooncake_master", "mooncake_metadata", "mooncake_device"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(
+                    f"{key}: found {getattr(self, key)!r}, expected a string"
+                )
+        master = self.mooncake_master.strip()
+        host, _, port = master.rpartition(":")
+        needed = self.remote_store == "mooncake" or master
+        if needed and (not host or not port.isdigit() or not 0 < int(port) < 65536):
+            raise ConfigError(
+                f"mooncake_master: found {self.mooncake_master!r}, expected "
+                "HOST:PORT of mooncake_master's RPC (e.g. 10.0.0.5:50051)"
+            )
+        object.__setattr__(self, "mooncake_master", master)
+        metadata = self.mooncake_metadata.strip()
+        if metadata != "P2PHANDSHAKE" and not re.match(r"^[a-z]+://\S+$", metadata):
+            raise ConfigError(
+                f"mooncake_metadata: found {self.mooncake_metadata!r}, expected "
+                "P2PHANDSHAKE or a metadata server URL (http://HOST:PORT/metadata)"
+            )
+        object.__setattr__(self, "mooncake_metadata", metadata)
+        if self.mooncake_local_buffer < (1 << 20):
+            raise ConfigError(
+                f"mooncake_local_buffer: found {self.mooncake_local_buffer} bytes, "
+                "expected >= 1MiB"
             )
 
     def _check_choice(self, key: str, choices: tuple[str, ...]) -> None:

@@ -198,6 +198,8 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         tokens = self._scheduler.match(request, num_computed_tokens)
+        if tokens is None:  # vLLM asks again in the next step
+            return None, False
         return tokens, tokens > 0 and self._scheduler.load_async
 
     def update_state_after_alloc(

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from npukv_store.connector.remote_loads import RemoteLoads
 from npukv_store.layout import LayerLayout, build_runs
 from npukv_store.store.store import KVStore
 
@@ -72,9 +73,13 @@ class LoadJob:
     requests: dict[str, set[int]] = field(default_factory=dict)
     #: the store's (cached, disk) read byte counters when it started (costs.py)
     read_before: tuple[int, int] | None = None
+    #: per group: blocks the remote tier holds, loaded before the local ones
+    remote_keys: list[list[bytes]] = field(default_factory=list)
+    remote_block_ids: list[list[int]] = field(default_factory=list)
 
     def all_block_ids(self) -> list[int]:
-        return [b for ids in self.block_ids for b in ids]
+        local = [b for ids in self.block_ids for b in ids]
+        return local + [b for ids in self.remote_block_ids for b in ids]
 
 
 class _HostSlot:
@@ -113,7 +118,9 @@ class LayerLoader:
         backend: Any,
         xfer: Any,
         depth: int,
+        remote: RemoteLoads | None = None,
     ) -> None:
+        self.remote = remote
         self._stores = list(stores)
         self._layers = list(layers)
         self._backend = backend
@@ -158,6 +165,8 @@ class LayerLoader:
         then verifies each layer while it reads the next ones.
         """
         try:
+            if job.remote_block_ids:
+                self._load_remote(job)
             if layer_by_layer or not self._read_all_direct(job):
                 self._load_layers(job)
         finally:
@@ -165,6 +174,18 @@ class LayerLoader:
                 job.finished = True
                 job.ended = time.perf_counter()
                 job.cond.notify_all()
+
+    def _load_remote(self, job: LoadJob) -> None:
+        """The job's remote blocks, before its local layers: their copies go
+        first on the transfer stream, so every layer's event covers them."""
+        ids = job.remote_block_ids
+        if self.remote is None:
+            failed = {b for group in ids for b in group}
+        else:
+            self._xfer.wait_event(job.ready)
+            failed = self.remote.load(job.remote_keys, ids)
+        with job.cond:
+            job.errors.update(failed)
 
     def submit(self, job: LoadJob, *, layer_by_layer: bool = True) -> None:
         """Load ``job`` on the loader thread; returns at once."""
@@ -409,3 +430,5 @@ class LayerLoader:
         self._readers.shutdown(wait=True)
         for slot in self._slots:
             slot.close()
+        if self.remote is not None:
+            self.remote.close()

@@ -39,6 +39,9 @@ class BlockTransfer:
     #: a load the workers report through finished/failed_recving, off the
     #: forward (hybrid models), rather than before the step's forward
     asynchronous: bool = False
+    #: blocks the remote tier holds (the local store does not): the workers
+    #: read them from it (npukv_store.remote), before the local ones
+    remote: bool = False
 
     def keys(self, rank: int) -> list[bytes]:
         blob = self.keys_by_rank[rank if len(self.keys_by_rank) > 1 else 0]

@@ -12,7 +12,10 @@ stats of that step summed over workers (``NPUKVStats.data``).
     histograms  vllm:npukv_load_gbps, vllm:npukv_save_gbps (one sample per step
                 that loaded or saved), vllm:npukv_load_wait_seconds (per step
                 whose forward waited for loads: the slowest worker's wait)
-    gauge       vllm:npukv_ring_used_bytes (staging ring held by unpublished saves)
+    gauge       vllm:npukv_ring_used_bytes (staging ring held by unpublished saves),
+                vllm:npukv_remote_up (the remote tier answers: 1, or 0)
+    remote      vllm:npukv_remote_*_total: the remote tier's hits, lookups,
+                puts, loads and failures (docs/metrics.md)
 
 The names and their meaning are in docs/metrics.md, with the Grafana
 dashboard docs/grafana_npukv.json.
@@ -39,6 +42,21 @@ COUNTED = {
     "load_errors": "Blocks whose load failed and were recomputed.",
     "declined_tokens": "Hit tokens the load policy chose to recompute (their "
     "load was expected to be slower).",
+    "remote_hit_tokens": "Hit tokens found in the remote tier beyond the local "
+    "store (claimed for loading).",
+    "remote_lookups": "batch_is_exist calls the scheduler made to the remote tier.",
+    "remote_failures": "Remote-tier calls that failed or hung (each may open "
+    "the circuit breaker).",
+    "remote_put_blocks": "Blocks written to the remote tier.",
+    "remote_put_bytes": "Bytes written to the remote tier.",
+    "remote_put_full": "Blocks the remote tier refused for lack of space.",
+    "remote_put_failed": "Blocks whose remote put failed.",
+    "remote_put_dropped": "Blocks not put because the tier was down or behind.",
+    "remote_load_blocks": "Blocks loaded from the remote tier, verified.",
+    "remote_load_bytes": "Bytes loaded from the remote tier, verified.",
+    "remote_load_missing": "Remote blocks gone when loaded (recomputed).",
+    "remote_load_corrupt": "Remote values that failed verification (recomputed).",
+    "remote_load_errors": "Remote blocks whose load failed otherwise (recomputed).",
 }
 #: the load policy's decisions, by the label value each is counted under
 DECIDED = {
@@ -126,6 +144,16 @@ class NPUKVPromMetrics(KVConnectorPromMetrics):
             ),
             engines,
         )
+        self.remote_up: dict[int, Any] = create_metric_per_engine(
+            gauge(
+                name="vllm:npukv_remote_up",
+                documentation="1 while the remote tier answers, 0 while its "
+                "circuit breaker is open (sent when it changes).",
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            ),
+            engines,
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data or {}
@@ -143,3 +171,5 @@ class NPUKVPromMetrics(KVConnectorPromMetrics):
             self.load_wait[engine_idx].observe(data["load_wait_seconds"])
         if "ring_used_bytes" in data:
             self.ring_used[engine_idx].set(data["ring_used_bytes"])
+        if "remote_up" in data:
+            self.remote_up[engine_idx].set(data["remote_up"])

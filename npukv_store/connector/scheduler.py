@@ -39,9 +39,11 @@ from npukv_store.connector.load_policy import (
 )
 from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata, pack_keys
 from npukv_store.connector.namespace import EngineKV, engine_namespaces
-from npukv_store.connector.stats import NPUKVStats
+from npukv_store.connector.remote_lookup import RemoteLookup
+from npukv_store.connector.stats import SCHEDULER_COUNTERS, NPUKVStats, remote_deltas
 from npukv_store.errors import UnsupportedSetup
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
+from npukv_store.remote.tier import MooncakeTier, open_tier, release_tier
 from npukv_store.store.store import KVStore
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ class _RequestState:
     hit_blocks: int = 0  # end of the hit it claims (the load policy's part)
     decision: Decision | None = None  # not yet counted in the stats
     stored_full: int = 0  # leading blocks every full-attention group stores
+    remote_from: int = 0  # blocks from here to stored_full are remote only
     saved_blocks: int = 0  # blocks [0, saved_blocks) are stored, loaded or queued
     saved_any: bool = False
     counted: bool = False  # its lookup is in the stats
@@ -82,6 +85,10 @@ class SchedulerSide:
         self._held: list[str] = []
         self._warned: set[str] = set()
         self.store: KVStore | None = None
+        self.tier: MooncakeTier | None = None
+        self.remote: RemoteLookup | None = None
+        self._remote_reported: dict[str, int] = {}
+        self._remote_up: bool | None = None
         self.load_async = self.loads_on = self.hint_readahead = False
         try:
             self.engine: EngineKV | None = engine_namespaces(
@@ -107,6 +114,9 @@ class SchedulerSide:
             return
         self.hint_readahead = _workers_load_layerwise(vllm_config, settings)
         self.loads_on = self._loads_allowed(vllm_config)
+        self.tier = open_tier(settings)
+        if self.tier is not None:
+            self.remote = RemoteLookup(self.tier, settings.remote_timeout_ms)
 
     def _loads_allowed(self, vllm_config: Any) -> bool:
         """vLLM turns prefix caching off where its attention backend cannot
@@ -178,7 +188,7 @@ class SchedulerSide:
             state.extras.append(b"" if extra is None else repr(extra).encode())
         return state.extras[start:stop]
 
-    def _hit(self, state: _RequestState, local: int, max_blocks: int) -> int:
+    def _hit(self, state: _RequestState, local: int, max_blocks: int) -> int | None:
         """End of the longest hit beyond ``local`` blocks: every full-attention
         group (every rank) stores the prefix, every sliding-window group the
         tail before its end."""
@@ -191,8 +201,20 @@ class SchedulerSide:
             for group, chain in zip(groups, rank_keys, strict=True):
                 if group.kind == "full" and upper > local:
                     upper = min(upper, self.store.lookup(chain[:upper]))
-        state.stored_full = upper
+        state.stored_full = state.remote_from = upper
         sliding = [g for g in groups if g.kind == "sliding"]
+        if self.remote is not None and not sliding and upper < max_blocks:
+            more = self.remote.extend(
+                state.request.request_id,
+                [
+                    (prints[g.index], rank_keys[g.index][upper:max_blocks])
+                    for rank_keys, prints in zip(keys, self.fingerprints, strict=True)
+                    for g in groups
+                ],
+            )
+            if more is None:
+                return None
+            state.stored_full = upper = upper + more
         if upper <= local or not sliding:
             return upper
         present = []
@@ -206,9 +228,10 @@ class SchedulerSide:
 
     # -- vLLM's scheduler hooks ---------------------------------------------------
 
-    def match(self, request: Any, num_computed_tokens: int) -> int:
+    def match(self, request: Any, num_computed_tokens: int) -> int | None:
         """External tokens stored beyond ``num_computed_tokens`` (block aligned;
-        never the last token, which must be computed to sample)."""
+        never the last token, which must be computed to sample). None: the
+        remote tier has not answered yet, ask again in the next step."""
         if self.disabled_reason or request.prompt_token_ids is None:
             return 0
         try:
@@ -222,9 +245,10 @@ class SchedulerSide:
             local = num_computed_tokens // self.block_size
             if max_blocks <= local:
                 return 0
-            found = state.found_blocks = state.hit_blocks = self._hit(
-                state, local, max_blocks
-            )
+            found = self._hit(state, local, max_blocks)
+            if found is None:  # the remote tier's answer is not back yet
+                return None
+            state.found_blocks = state.hit_blocks = found
             if found > local:
                 state.decision = self._decide(state, local, found)
                 state.hit_blocks = local + state.decision.blocks
@@ -292,16 +316,23 @@ class SchedulerSide:
         stop = start + num_external // bs
         keys = self._keys(state, stop)
         loads = []
+        split = max(start, min(stop, state.remote_from))  # [split, stop): remote
         for group in self.engine.groups:
             ids = block_ids[group.index]
-            rows = [i for i in range(start, stop) if ids[i] != 0]  # 0: null block
-            if rows:
-                loads.append(
-                    _transfer(
-                        request.request_id, group.index, ids, rows, keys,
-                        asynchronous=self.load_async,
-                    )
-                )  # fmt: skip
+            for part, remote in (
+                (range(start, split), False),
+                (range(split, stop), True),
+            ):
+                rows = [i for i in part if ids[i] != 0]  # 0: null block
+                if rows:
+                    loads.append(
+                        _transfer(
+                            request.request_id, group.index, ids, rows, keys,
+                            asynchronous=self.load_async, remote=remote,
+                        )
+                    )  # fmt: skip
+        if stop > split:
+            self.stats.add(remote_hit_tokens=(stop - split) * bs)
         if self.load_async and not loads:  # vLLM waits for it: say it failed
             self.fail_load(request.request_id)
             return
@@ -323,6 +354,8 @@ class SchedulerSide:
         self._failed_loads.append(req_id)
 
     def build_meta(self, scheduler_output: Any) -> NPUKVMetadata:
+        if self.remote is not None:
+            self.remote.new_step()
         meta = NPUKVMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         meta.num_scheduled_tokens = sum(scheduled.values())
@@ -401,6 +434,8 @@ class SchedulerSide:
         workers report it (its saves' device copies may still be running)."""
         state = self._requests.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        if self.remote is not None:
+            self.remote.forget(request.request_id)
         if state is None:
             return False
         if state.saved_any:
@@ -417,6 +452,13 @@ class SchedulerSide:
 
     def take_stats(self) -> NPUKVStats | None:
         stats = self.stats
+        if self.tier is not None:
+            stats.add(
+                **remote_deltas(self.tier, SCHEDULER_COUNTERS, self._remote_reported)
+            )
+            if self.tier.up != self._remote_up:  # a gauge: sent when it moves
+                self._remote_up = self.tier.up
+                stats.data["remote_up"] = int(self.tier.up)
         if stats.is_empty():
             return None
         self.stats = NPUKVStats()
@@ -430,6 +472,8 @@ class SchedulerSide:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+        if self.tier is not None:
+            release_tier(self.tier)
 
 
 #: decision kind -> its counter in the stats
@@ -449,6 +493,7 @@ def _transfer(
     keys: Keys,
     *,
     asynchronous: bool = False,
+    remote: bool = False,
 ) -> BlockTransfer:
     """Blocks ``rows`` of one group of a request, with every rank's keys."""
     return BlockTransfer(
@@ -457,6 +502,7 @@ def _transfer(
         [pack_keys([rank[group][i] for i in rows]) for rank in keys],
         group=group,
         asynchronous=asynchronous,
+        remote=remote,
     )
 
 

@@ -31,10 +31,33 @@ COUNTERS = (
     "decided_recompute",
     "decided_probe",
     "declined_tokens",
+    # the remote tier (npukv_store.remote; docs/metrics.md): the scheduler's
+    # hits and lookups, the workers' puts and loads, and every failed call
+    "remote_hit_tokens",
+    "remote_lookups",
+    "remote_failures",
+    "remote_put_blocks",
+    "remote_put_bytes",
+    "remote_put_full",
+    "remote_put_failed",
+    "remote_put_dropped",
+    "remote_load_blocks",
+    "remote_load_bytes",
+    "remote_load_missing",
+    "remote_load_corrupt",
+    "remote_load_errors",
+)
+#: the tier's totals each side reports (one process may hold both sides and
+#: one tier: each total is reported by one side only)
+SCHEDULER_COUNTERS = ("remote_lookups", "remote_failures")
+WORKER_COUNTERS = tuple(
+    key
+    for key in COUNTERS
+    if key.startswith("remote_put") or key.startswith("remote_load")
 )
 #: gauges: the latest value, the largest over workers (a peak, not a sum over
 #: steps); present only when it changed since the worker's last report
-GAUGES = ("ring_used_bytes",)
+GAUGES = ("ring_used_bytes", "remote_up")
 #: peaks: the largest over the steps and workers aggregated (the slowest
 #: rank's wait is the step's wait)
 PEAKS = ("load_wait_seconds",)
@@ -90,3 +113,18 @@ class NPUKVStats(KVConnectorStats):
 
 def _rate(nbytes: float, seconds: float) -> float:
     return round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0
+
+
+def remote_deltas(
+    tier: Any, names: tuple[str, ...], reported: dict[str, int]
+) -> dict[str, int]:
+    """The growth of ``tier``'s totals ``names`` since the last call (which
+    ``reported`` remembers)."""
+    totals = tier.counters.snapshot()
+    deltas = {}
+    for name in names:
+        now = totals.get(name, 0)
+        if now != reported.get(name, 0):
+            deltas[name] = now - reported.get(name, 0)
+            reported[name] = now
+    return deltas

@@ -46,11 +46,13 @@ from npukv_store.connector.namespace import (
     engine_namespaces,
     model_order,
 )
+from npukv_store.connector.remote_loads import RemoteLoads
 from npukv_store.connector.saves import StepSaver
 from npukv_store.connector.scheduler import unusable_cache_dir
-from npukv_store.connector.stats import NPUKVStats
+from npukv_store.connector.stats import WORKER_COUNTERS, NPUKVStats, remote_deltas
 from npukv_store.errors import ConfigError, UnsupportedSetup
 from npukv_store.layout import LayoutError, page_layout
+from npukv_store.remote.tier import MooncakeTier, open_tier, release_tier
 from npukv_store.store.store import KVStore
 
 logger = logging.getLogger(__name__)
@@ -91,6 +93,8 @@ class WorkerSide:
         self._loads_seen: set[str] = set()
         self._warned: set[str] = set()
         self.engine: EngineKV | None = None
+        self.remote: MooncakeTier | None = None
+        self._remote_reported: dict[str, int] = {}
         try:
             self.engine = engine_namespaces(vllm_config, kv_cache_config, settings)
         except UnsupportedSetup as exc:
@@ -157,7 +161,7 @@ class WorkerSide:
         self.xfer = self.backend.new_stream()
         self.loader = LayerLoader(
             self.stores, self.layers, self.backend, self.xfer,
-            self.settings.prefetch_depth,
+            self.settings.prefetch_depth, remote=self._remote_loads(ring),
         )  # fmt: skip
         self.costs = CostMeter(self.backend, self.stores)
         self.saver = StepSaver(
@@ -171,6 +175,24 @@ class WorkerSide:
             self.layers[0].layout.kind, sum(s.block_bytes for s in self.specs),
             first.namespace[:12], self.settings.layerwise,
             self._ring_region.registered,
+        )  # fmt: skip
+
+    def _remote_loads(self, ring: Any) -> RemoteLoads | None:
+        """The remote tier (remote_store: mooncake): the ring's published
+        blocks are written to it, and loads read its blocks."""
+        tier = open_tier(self.settings)
+        if tier is None:
+            return None
+        self.remote = tier
+        tier.register(ring.ctypes.data, ring.nbytes)
+        self.stores[0].attach_remote(tier)
+        placed = [
+            (layer.group, self._layer_pos[i], layer.layout)
+            for i, layer in enumerate(self.layers)
+        ]
+        return RemoteLoads(
+            tier, self.stores, placed, self.backend, self.xfer,
+            self.settings.remote_promote,
         )  # fmt: skip
 
     def disable(self, reason: str) -> None:
@@ -270,12 +292,11 @@ class WorkerSide:
             self._start_async(later)
         if not loads:
             return
-        keys, block_ids = self._per_group(loads)
         if self.disabled_reason or self.loader is None:
-            self._load_errors.update(b for ids in block_ids for b in ids)
+            self._load_errors.update(b for t in loads for b in t.block_ids)
             return
         try:
-            job = self._new_job(keys, block_ids, gated=self.layerwise)
+            job = self._new_job(loads, gated=self.layerwise)
             if self.layerwise:
                 self.loader.submit(job)
                 self._load = job
@@ -288,7 +309,7 @@ class WorkerSide:
             self._load_wait += time.perf_counter() - waited
         except Exception:
             self._warn_once("load", "load failed; its blocks are recomputed")
-            self._load_errors.update(b for ids in block_ids for b in ids)
+            self._load_errors.update(b for t in loads for b in t.block_ids)
 
     def _start_async(self, loads: list[BlockTransfer]) -> None:
         """Loads vLLM waits for off the forward (WAITING_FOR_REMOTE_KVS): read
@@ -298,8 +319,7 @@ class WorkerSide:
             self._failed_recving.update(requests)
             return
         try:
-            keys, block_ids = self._per_group(loads)
-            job = self._new_job(keys, block_ids, gated=False)
+            job = self._new_job(loads, gated=False)
             for t in loads:
                 job.requests.setdefault(t.req_id, set()).update(t.block_ids)
             self.loader.submit(job, layer_by_layer=False)
@@ -308,11 +328,13 @@ class WorkerSide:
             self._warn_once("load", "load failed; its blocks are recomputed")
             self._failed_recving.update(requests)
 
-    def _new_job(
-        self, keys: list[list[bytes]], block_ids: list[list[int]], *, gated: bool
-    ) -> LoadJob:
+    def _new_job(self, loads: list[BlockTransfer], *, gated: bool) -> LoadJob:
         assert self.loader is not None
+        keys, block_ids = self._per_group([t for t in loads if not t.remote])
         job = self.loader.new_job(keys, block_ids, gated=gated)
+        remote = [t for t in loads if t.remote]
+        if remote:
+            job.remote_keys, job.remote_block_ids = self._per_group(remote)
         if self.costs is not None:
             job.read_before = self.costs.load_started()
         return job
@@ -354,7 +376,7 @@ class WorkerSide:
 
     def _count_load(self, job: LoadJob) -> None:
         total = good = nbytes = 0
-        for group, ids in enumerate(job.block_ids):
+        for group, ids in [*enumerate(job.block_ids), *enumerate(job.remote_block_ids)]:
             ok = len(ids) - len(set(ids) & job.errors)
             total += len(ids)
             good += ok
@@ -426,6 +448,10 @@ class WorkerSide:
             counters = self.store.counters.snapshot()
             dropped = counters.get("dropped_blocks", 0)
             stats.add(dropped_blocks=dropped - self.totals.data["dropped_blocks"])
+            if self.remote is not None:
+                stats.add(
+                    **remote_deltas(self.remote, WORKER_COUNTERS, self._remote_reported)
+                )
             ring_used = self.store.ring_used_bytes()
             if ring_used != self._ring_reported:  # a gauge: sent when it moves
                 stats.data["ring_used_bytes"] = self._ring_reported = ring_used
@@ -459,6 +485,9 @@ class WorkerSide:
         for store in self.stores:
             store.close()  # the first drains the writer, then unlinks the ring
         self.stores = []
+        if self.remote is not None:
+            release_tier(self.remote)
+            self.remote = None
 
     def _warn_once(self, what: str, message: str) -> None:
         if what not in self._warned:

@@ -65,6 +65,12 @@ class SaveBatch:
     #: who publishes it: one ring may carry the batches of several namespaces
     #: (a hybrid model's KV cache groups); opaque to the writer
     owner: object = None
+    #: publish handed the region on (to a remote put, which releases it when
+    #: its reads are done); the writer then leaves it alone
+    held: bool = False
+    #: also written to the remote tier once published (not for blocks that
+    #: came from it)
+    to_remote: bool = True
 
     def ready(self) -> bool:
         """Whether the batch's bytes are complete (its event has fired)."""
@@ -154,7 +160,8 @@ class BackgroundWriter:
             )  # fmt: skip
             self._discard(batch)
         finally:
-            self._ring.release(batch.region)
+            if not batch.held:
+                self._ring.release(batch.region)
 
     def _drop(self, batch: SaveBatch) -> None:
         try:

@@ -15,11 +15,13 @@ writer thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -37,6 +39,8 @@ from npukv_store.store.index import ChunkRecord
 from npukv_store.store.publish import Publisher
 from npukv_store.store.touches import TouchRecorder
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class SaveTarget:
@@ -52,6 +56,26 @@ class SaveTarget:
     @property
     def namespace(self) -> str:
         return self.fingerprint.hex()
+
+
+class RemoteSink(Protocol):
+    """The tier behind the store (npukv_store.remote's MooncakeTier): takes
+    published blocks straight from their ring region."""
+
+    def offer_blocks(
+        self,
+        spec: NamespaceSpec,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        pieces: list[list[tuple[int, int]]],
+        release: Callable[[], None],
+    ) -> bool: ...
+
+    def drain(self, timeout_s: float) -> bool: ...
+
+
+#: how long close waits for remote puts still reading the ring
+_REMOTE_DRAIN_S = 10.0
 
 
 class StagedBatch:
@@ -88,6 +112,9 @@ class AsyncSaver:
         self.ring = StagingRing(config.ring_size, directory=ring_dir)
         self._engine: IOEngine | None = None  # created and used by the writer thread
         self.writer = BackgroundWriter(self.ring, self._publish, self._discard)
+        #: where published blocks are also written (write-through,
+        #: docs/decisions/0055); set by the connector
+        self.remote: RemoteSink | None = None
 
     def stage(
         self,
@@ -114,7 +141,11 @@ class AsyncSaver:
         return len(fresh)
 
     def reserve(
-        self, target: SaveTarget, batch_keys: tuple[bytes, ...]
+        self,
+        target: SaveTarget,
+        batch_keys: tuple[bytes, ...],
+        *,
+        to_remote: bool = True,
     ) -> StagedBatch | None:
         """A ring region laid out as the chunk of ``batch_keys`` for ``target``,
         with its header written; the caller fills the data section. None when
@@ -142,6 +173,7 @@ class AsyncSaver:
                 secrets.randbits(63) + 1,
                 created,
                 owner=(target, layout),
+                to_remote=to_remote,
             ),  # fmt: skip
             layout,
         )
@@ -184,8 +216,28 @@ class AsyncSaver:
                 batch.chunk_id, target.fingerprint, batch.keys, size, batch.created_ns
             )
             target.publisher.commit(record, path, touched=target.touches.take())
+            if self.remote is not None and batch.to_remote:
+                self._offer_remote(batch, target, layout)
         finally:
             target.publisher.release(batch.keys)
+
+    def _offer_remote(
+        self, batch: SaveBatch, target: SaveTarget, layout: ChunkLayout
+    ) -> None:
+        """Hand the published blocks to the remote tier, which reads them from
+        the region (checksums included) and releases it when done."""
+        assert self.remote is not None
+        ring, region = self.ring, batch.region
+        batch.held = True
+        try:
+            self.remote.offer_blocks(
+                target.spec, target.fingerprint, batch.keys,
+                block_pieces(batch.image.ctypes.data, layout),
+                lambda: ring.release(region),
+            )  # fmt: skip
+        except Exception:
+            batch.held = False  # never offered: the writer releases it
+            raise
 
     def _discard(self, batch: SaveBatch) -> None:
         target, _ = _owner(batch)
@@ -196,10 +248,16 @@ class AsyncSaver:
         return self.writer.flush(timeout_s)
 
     def close(self) -> None:
-        """Drain, stop the writer, release its engine and unlink the ring."""
+        """Drain, stop the writer, release its engine and unlink the ring
+        (once no remote put reads it any more)."""
         self.writer.close()
         if self._engine is not None:
             self._engine.close()
+        if self.remote is not None and not self.remote.drain(_REMOTE_DRAIN_S):
+            # a put still reads the ring: unmapping it would crash the process;
+            # the next ring created here removes the file (remove_stale_rings)
+            logger.warning("remote puts still running at close; the ring is left")
+            return
         self.ring.close()
 
 
@@ -223,6 +281,23 @@ def _fill_checksums(image: np.ndarray, layout: ChunkLayout) -> None:
     for col, parts in by_layer.items():
         sums[:, col] = layer_checksums(parts, count)
     image[layout.checksum_offset :] = sums.view(np.uint8).reshape(-1)
+
+
+def block_pieces(base: int, layout: ChunkLayout) -> list[list[tuple[int, int]]]:
+    """Per block of a chunk image at address ``base``: ``(address, bytes)`` of
+    its checksum-table row, then of its row of every tensor in file order (a
+    remote value's body, see npukv_store.remote.value)."""
+    num_layers = len(layout.spec.layers)
+    parts = [
+        (base + layout.data_start + part.begin, part.row_bytes)
+        for part in layout.parts()
+    ]
+    table = base + layout.checksum_offset
+    return [
+        [(table + i * num_layers * 8, num_layers * 8)]
+        + [(start + i * row, row) for start, row in parts]
+        for i in range(layout.n_blocks)
+    ]
 
 
 def _gather_runs(

@@ -45,7 +45,7 @@ from npukv_store.store.directory import CacheDir
 from npukv_store.store.index import ChunkRecord
 from npukv_store.store.publish import Publisher
 from npukv_store.store.read_plan import ChunkReadPlan, ReadTuning
-from npukv_store.store.saver import AsyncSaver, SaveTarget, StagedBatch
+from npukv_store.store.saver import AsyncSaver, RemoteSink, SaveTarget, StagedBatch
 from npukv_store.store.stats import PutResult, StoreCounters, StoreStats
 from npukv_store.store.touches import TouchRecorder
 
@@ -258,7 +258,9 @@ class KVStore:
             stored=0, skipped=skipped, rejected=0, queued=queued, dropped=dropped
         )
 
-    def begin_save(self, keys: Sequence[bytes]) -> StagedSave | None:
+    def begin_save(
+        self, keys: Sequence[bytes], *, to_remote: bool = True
+    ) -> StagedSave | None:
         """Claim the blocks of ``keys`` not stored or in flight and reserve a
         ring region laid out as their chunk, for a caller that fills it layer
         by layer (the connector's device copies). Never blocks.
@@ -280,7 +282,9 @@ class KVStore:
         staged = None
         try:
             if fresh:
-                staged = self._saver().reserve(self._target(), batch_keys)
+                staged = self._saver().reserve(
+                    self._target(), batch_keys, to_remote=to_remote
+                )
         finally:
             if staged is None:
                 self._release_claims(batch_keys)
@@ -309,6 +313,11 @@ class KVStore:
             return self._parent.ring_used_bytes()
         saver = self._async
         return 0 if saver is None else saver.ring.used_bytes
+
+    def attach_remote(self, sink: RemoteSink) -> None:
+        """Also write every block this handle's ring publishes to ``sink``
+        (the remote tier), from the ring, after the local publish."""
+        self._saver().remote = sink
 
     def ring_buffer(self) -> np.ndarray:
         """The staging ring's bytes (creating it): what a device registers."""

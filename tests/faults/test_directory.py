@@ -244,6 +244,15 @@ GARBLED = {
     "index_map_size": ("1KiB", "index_map_size: found 1024 bytes"),
     "evict_grace_s": ("-1", "evict_grace_s: found -1.0"),
     "tmp_max_age_s": ("inf", "tmp_max_age_s: found inf"),
+    "remote_store": ("redis", "remote_store: found 'redis'"),
+    "mooncake_master": ("master", "mooncake_master: found 'master'"),
+    "mooncake_metadata": ("etcd", "mooncake_metadata: found 'etcd'"),
+    "mooncake_protocol": ("ib", "mooncake_protocol: found 'ib'"),
+    "mooncake_device": (7, "mooncake_device: found 7"),
+    "mooncake_segment_size": ("-1", "mooncake_segment_size: found '-1'"),
+    "mooncake_local_buffer": ("1KiB", "mooncake_local_buffer: found 1024 bytes"),
+    "remote_timeout_ms": ("0", "remote_timeout_ms: found 0.0"),
+    "remote_promote": ("often", "remote_promote: found 'often'"),
 }
 
 
@@ -266,7 +275,10 @@ def test_garbled_config_is_one_clear_error(fault, tmp_path):
         value, fragment = GARBLED[key]
         extra: dict[str, object] = {"cache_dir": str(root)}
         env: dict[str, str] = {}
-        if trial < len(keys) or key == "namespace_extra":  # (env: always a str)
+        if trial < len(keys) or key in (
+            "namespace_extra",
+            "mooncake_device",
+        ):  # (env: always a str)
             extra[key] = value
         else:  # the same value from the environment
             env[f"NPUKV_{key.upper()}"] = str(value)

@@ -1,0 +1,514 @@
+"""The remote tier's client: Mooncake Store behind the local store.
+
+Runs in: any process of the connector (the scheduler's and the workers'); one
+:class:`MooncakeTier` per process and master (:func:`open_tier`), shared by
+the scheduler and worker sides when they live in one process. Every call to
+Mooncake runs on one of the tier's own threads:
+
+    npukv-remote-ctl  setup, the scheduler's lookups (batch_is_exist), health
+    npukv-remote-put  puts from the staging ring (batch_put_from_multi_buffers)
+    npukv-remote-get  loads into the caller's host buffer (batch_get_into)
+
+because a Mooncake call against a dead master blocks for 3-4.5 s (measured:
+put 4.27 s, setup 4.57 s, close 7.4 s) and the callers must not: the scheduler
+waits at most its step's budget, a load at most a deadline sized by its bytes,
+and a put never blocks anyone (it holds its ring region until it returns).
+A :class:`~.breaker.CircuitBreaker` stops calls while the master is down and
+probes it with one ``get_size`` per wait; setup is retried the same way, so a
+tier started before its master comes up by itself (docs/decisions/0055).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import numpy as np
+
+from npukv_store.config import StoreConfig
+from npukv_store.remote.breaker import CircuitBreaker
+from npukv_store.remote.value import ValueLayout, remote_key, verify_value
+from npukv_store.spec import NamespaceSpec
+
+logger = logging.getLogger(__name__)
+
+#: Mooncake's return codes met on this path (mooncake-store's ErrorCode)
+MISSING = -704  # OBJECT_NOT_FOUND
+NO_SPACE = -200  # the segments cannot hold the put (no eviction)
+RPC_FAIL = -900  # the master did not answer
+#: a call that has not returned after this long is a dead master
+STALL_S = 1.0
+#: a key whose presence was seen is trusted this long by lookups (its bytes
+#: are still verified when loaded: a vanished value is a miss then)
+PRESENT_TTL_S = 5.0
+#: puts waiting beyond this many batches are dropped (each holds ring space)
+MAX_QUEUED_PUTS = 8
+_SENTINEL = "npukv/health"
+
+Pieces = list[list[tuple[int, int]]]  # per key: (address, bytes) in value order
+
+
+class Counters:
+    """Thread-safe running totals (the connector reports their deltas)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, int] = {}
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for key, value in counts.items():
+                self._data[key] = self._data.get(key, 0) + value
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._data)
+
+
+class FetchResult:
+    """A load's outcome: ``ok[i]`` says value i in ``out`` is verified;
+    ``abandoned``: the call did not return in time and may still write into
+    ``out``, which the caller must not reuse."""
+
+    __slots__ = ("abandoned", "ok")
+
+    def __init__(self, ok: list[bool], abandoned: bool = False) -> None:
+        self.ok = ok
+        self.abandoned = abandoned
+
+
+class MooncakeTier:
+    """One process's client of a Mooncake master; see the module docstring.
+
+    Args:
+        config: the ``remote_store``, ``mooncake_*`` and ``remote_timeout_ms`` keys.
+        client_factory: makes the Mooncake client (tests pass a fake).
+    """
+
+    def __init__(
+        self, config: StoreConfig, client_factory: Callable[[], Any] | None = None
+    ) -> None:
+        self.config = config
+        self.counters = Counters()
+        self.breaker = CircuitBreaker()
+        self._factory = client_factory or _mooncake_client
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._registered: dict[int, int] = {}  # address -> bytes, with Mooncake
+        self._present: dict[str, float] = {}  # key -> seen until (monotonic)
+        self._pending: dict[tuple[str, int], tuple[Future[int], float]] = {}
+        self._ctl = ThreadPoolExecutor(1, thread_name_prefix="npukv-remote-ctl")
+        self._put = ThreadPoolExecutor(1, thread_name_prefix="npukv-remote-put")
+        self._get = ThreadPoolExecutor(1, thread_name_prefix="npukv-remote-get")
+        self._queued_puts = 0
+        self._arena = np.zeros(0, dtype=np.uint8)
+        self._busy_since: dict[str, float] = {}  # thread -> when its call began
+        self._closed = False
+        self._ctl.submit(self._connect)
+
+    # -- state ---------------------------------------------------------------------
+
+    @property
+    def up(self) -> bool:
+        return self._client is not None and self.breaker.up
+
+    def _usable(self) -> bool:
+        """Whether calls may be made now; while the breaker is open, the one
+        probe it allows is sent to the master (health or setup) instead."""
+        if self._closed:
+            return False
+        self._check_stall()
+        if self._client is not None and self.breaker.up:
+            return True
+        if self.breaker.allow(time.monotonic()):
+            self._ctl.submit(self._connect if self._client is None else self._health)
+        return False
+
+    def _check_stall(self) -> None:
+        now = time.monotonic()
+        for name, since in list(self._busy_since.items()):
+            if now - since > STALL_S:
+                self._failed(f"a {name} call has not returned in {now - since:.1f} s")
+
+    def _failed(self, reason: str) -> None:
+        self.counters.add(remote_failures=1)
+        line = self.breaker.failure(time.monotonic(), reason)
+        if line:
+            logger.warning("npukv_store: %s", line)
+
+    def _worked(self) -> None:
+        line = self.breaker.success(time.monotonic())
+        if line:
+            logger.warning("npukv_store: %s", line)
+
+    def _call(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run one Mooncake call, timing it for the stall check."""
+        self._busy_since[name] = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self._busy_since.pop(name, None)
+
+    # -- ctl thread ------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        """Set the client up (ctl thread); a failure opens the breaker, whose
+        next allowed probe tries again."""
+        if self._client is not None or self._closed:
+            return
+        config = self.config
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")  # not 90 s
+        try:
+            client = self._factory()
+            rc = self._call("setup", lambda: client.setup(
+                _local_hostname(config), config.mooncake_metadata,
+                config.mooncake_segment_size, config.mooncake_local_buffer,
+                config.mooncake_protocol, config.mooncake_device,
+                config.mooncake_master,
+            ))  # fmt: skip
+        except Exception as exc:  # the library itself failed: keep trying later
+            self._failed(f"setup raised {exc!r}")
+            return
+        if rc != 0:
+            self._failed(f"setup against {config.mooncake_master} returned {rc}")
+            return
+        with self._lock:
+            for address, nbytes in self._registered.items():
+                client.register_buffer(address, nbytes)
+            self._client = client
+        line = self.breaker.success(time.monotonic())
+        logger.info(
+            "npukv_store: remote tier up: Mooncake master %s, %s, segment %d B%s",
+            config.mooncake_master, config.mooncake_protocol,
+            config.mooncake_segment_size, f" ({line})" if line else "",
+        )  # fmt: skip
+
+    def _health(self) -> None:
+        client = self._client
+        if client is None:
+            return self._connect()
+        rc = self._call("health", lambda: client.get_size(_SENTINEL))
+        if rc == MISSING or rc >= 0:
+            self._worked()
+        else:
+            self._failed(f"get_size returned {rc}")
+
+    def _probe(self, names: list[str]) -> int:
+        """Leading ``names`` present (ctl thread); 0 on any error."""
+        client = self._client
+        if client is None or not self.breaker.up:
+            return 0
+        found = self._call("batch_is_exist", lambda: client.batch_is_exist(names))
+        if any(code < 0 for code in found) or len(found) != len(names):
+            self._failed(f"batch_is_exist returned {sorted(set(found))}")
+            return 0
+        self._worked()
+        count = 0
+        for code in found:
+            if code != 1:
+                break
+            count += 1
+        until = time.monotonic() + PRESENT_TTL_S
+        for name in names[:count]:
+            self._present[name] = until
+        return count
+
+    # -- scheduler: lookups ------------------------------------------------------------
+
+    def lookup(
+        self, fingerprint: bytes, keys: Sequence[bytes], wait_s: float
+    ) -> int | None:
+        """How many of ``keys`` (a chain's continuation) lead present in the
+        tier, waiting at most ``wait_s`` for the master. None: not known yet
+        (a probe is out; ask again). 0 while the tier is down."""
+        if not keys or not self._usable():
+            return 0
+        names = [remote_key(fingerprint, key) for key in keys]
+        now = time.monotonic()
+        known = 0
+        while known < len(names) and self._present.get(names[known], 0.0) > now:
+            known += 1
+        if known == len(names):
+            return known
+        probe_key = (names[known], len(names) - known)
+        pending = self._pending.get(probe_key)
+        if pending is None:
+            pending = (self._ctl.submit(self._probe, names[known:]), now)
+            self._pending[probe_key] = pending
+            self.counters.add(remote_lookups=1)
+        future, _ = pending
+        try:
+            found = future.result(timeout=max(0.0, wait_s))
+        except FutureTimeout:
+            return None
+        except Exception as exc:
+            self._failed(f"batch_is_exist raised {exc!r}")
+            found = 0
+        self._pending.pop(probe_key, None)
+        return known + found
+
+    # -- worker: puts from the staging ring -------------------------------------------
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Register host memory that puts read from or loads write into (the
+        ring, load buffers); kept across reconnects."""
+        with self._lock:
+            if self._registered.get(address) == nbytes:
+                return
+            self._registered[address] = nbytes
+            client = self._client
+            if client is not None:  # local bookkeeping only: no master call
+                client.register_buffer(address, nbytes)
+
+    def offer_blocks(
+        self,
+        spec: NamespaceSpec,
+        fingerprint: bytes,
+        keys: Sequence[bytes],
+        pieces: Pieces,
+        release: Callable[[], None],
+    ) -> bool:
+        """Put blocks whose bytes sit in registered memory (``pieces``: per
+        key, its checksums then every tensor's row, in value order),
+        asynchronously; ``release`` is called once they are no longer read.
+        False (and ``release`` called now): dropped, counted."""
+        layout = ValueLayout.for_spec(spec)
+        if not self._usable() or self._queued_puts >= MAX_QUEUED_PUTS:
+            self.counters.add(remote_put_dropped=len(keys))
+            release()
+            return False
+        self._queued_puts += 1
+        self._put.submit(
+            self._put_batch, fingerprint, layout, tuple(keys), pieces, release
+        )
+        return True
+
+    def _put_batch(
+        self,
+        fingerprint: bytes,
+        layout: ValueLayout,
+        keys: tuple[bytes, ...],
+        pieces: Pieces,
+        release: Callable[[], None],
+    ) -> None:
+        try:
+            client = self._client
+            if client is None or not self.breaker.up or self._closed:
+                self.counters.add(remote_put_dropped=len(keys))
+                return
+            size = len(layout.prefix(fingerprint, b"\0" * 16))
+            arena = self._prefix_arena(len(keys) * size)
+            arena[: len(keys) * size] = np.frombuffer(
+                b"".join(layout.prefix(fingerprint, key) for key in keys), np.uint8
+            )
+            base = arena.ctypes.data
+            ptrs = [[base + i * size] + [a for a, _ in p] for i, p in enumerate(pieces)]
+            sizes = [[size] + [n for _, n in p] for p in pieces]
+            names = [remote_key(fingerprint, key) for key in keys]
+            codes = self._call("put", lambda: client.batch_put_from_multi_buffers(
+                names, ptrs, sizes
+            ))  # fmt: skip
+            stored = sum(1 for c in codes if c == 0)
+            full = sum(1 for c in codes if c == NO_SPACE)
+            failed = len(codes) - stored - full
+            self.counters.add(
+                remote_put_blocks=stored,
+                remote_put_bytes=stored * layout.value_bytes,
+                remote_put_full=full,
+                remote_put_failed=failed,
+            )
+            if RPC_FAIL in codes:
+                self._failed(f"batch_put returned {RPC_FAIL}")
+            elif stored:
+                self._worked()
+        except Exception:
+            self.counters.add(remote_put_failed=len(keys))
+            logger.warning("npukv_store: a remote put failed", exc_info=True)
+        finally:
+            self._queued_puts -= 1
+            release()
+
+    def _prefix_arena(self, nbytes: int) -> np.ndarray:
+        """The put thread's registered buffer of value prefixes (grow-only)."""
+        arena = self._arena
+        if arena.nbytes < nbytes:
+            arena = self._arena = np.zeros(max(nbytes, 64 << 10), dtype=np.uint8)
+            self.register(arena.ctypes.data, arena.nbytes)
+        return arena
+
+    # -- worker: loads ---------------------------------------------------------------
+
+    def fetch(
+        self,
+        fingerprint: bytes,
+        layout: ValueLayout,
+        keys: Sequence[bytes],
+        out: np.ndarray,
+    ) -> FetchResult:
+        """Read the values of ``keys`` into ``out`` (uint8 ``[n, value_bytes]``,
+        registered with :meth:`register`) and verify each; waits at most a
+        deadline sized by the bytes. A miss, a corrupt value or an error is
+        ``ok[i] = False`` (recomputed), never an exception."""
+        count = len(keys)
+        failed = FetchResult([False] * count)
+        if not count or not self._usable():
+            return failed
+        client = self._client
+        size = layout.value_bytes
+        names = [remote_key(fingerprint, key) for key in keys]
+        base = out.ctypes.data
+        ptrs = [base + i * size for i in range(count)]
+        future = self._get.submit(
+            self._call,
+            "get",
+            lambda: client.batch_get_into(names, ptrs, [size] * count),
+        )
+        # 0.25 s plus the bytes at 100 MB/s: far beyond a working master's
+        # time (1.1-1.4 GB/s on loopback here), far below a dead one's 3-4.5 s
+        deadline = 0.25 + count * size / 100e6
+        try:
+            codes = future.result(timeout=deadline)
+        except FutureTimeout:
+            self._failed(f"batch_get_into did not return in {deadline:.2f} s")
+            self.counters.add(remote_load_errors=count)
+            return FetchResult([False] * count, abandoned=True)
+        except Exception as exc:
+            self._failed(f"batch_get_into raised {exc!r}")
+            self.counters.add(remote_load_errors=count)
+            return failed
+        ok = [False] * count
+        missing = corrupt = errors = 0
+        for i, code in enumerate(codes):
+            if code == size:
+                why = verify_value(layout, fingerprint, keys[i], out[i])
+                if not why:
+                    ok[i] = True
+                    continue
+                corrupt += 1
+                self._warn_corrupt(names[i], why)
+            elif code == MISSING:
+                missing += 1
+            else:  # a value of another size is not ours either
+                errors += 1
+                if code >= 0:
+                    corrupt += 1
+                    self._warn_corrupt(names[i], f"{code} bytes, expected {size}")
+        if RPC_FAIL in codes:
+            self._failed(f"batch_get_into returned {RPC_FAIL}")
+        else:
+            self._worked()
+        good = sum(ok)
+        self.counters.add(
+            remote_load_blocks=good,
+            remote_load_bytes=good * size,
+            remote_load_missing=missing,
+            remote_load_corrupt=corrupt,
+            remote_load_errors=errors - (corrupt if errors else 0),
+        )
+        return FetchResult(ok)
+
+    def _warn_corrupt(self, name: str, why: str) -> None:
+        logger.warning(
+            "npukv_store: remote value %s is not the block asked for (%s); "
+            "recomputing it", name, why,
+        )  # fmt: skip
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the puts offered so far have returned."""
+        end = time.monotonic() + timeout_s
+        while self._queued_puts > 0:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        """Stop the threads; queued puts are dropped (their regions
+        released). Mooncake's own close (2 s, 7 s with the master down) runs
+        on a daemon thread: a shutting-down server does not wait for it."""
+        if self._closed:
+            return
+        self._closed = True
+        for pool in (self._put, self._get, self._ctl):
+            pool.shutdown(wait=False, cancel_futures=True)
+        client, self._client = self._client, None
+        if client is not None:
+            threading.Thread(
+                target=client.close, name="npukv-remote-close", daemon=True
+            ).start()
+
+
+_TIERS: dict[tuple[str, str, str], MooncakeTier] = {}
+_USERS: dict[int, int] = {}  # id(tier) -> open_tier calls not yet released
+_TIERS_LOCK = threading.Lock()
+
+
+def open_tier(config: StoreConfig) -> MooncakeTier | None:
+    """This process's tier for ``config``'s master (one per master, shared by
+    the connector's sides; give it back with :func:`release_tier`); None when
+    ``remote_store`` is ``none``."""
+    if config.remote_store == "none":
+        return None
+    key = (config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol)
+    with _TIERS_LOCK:
+        tier = _TIERS.get(key)
+        if tier is None or tier._closed:
+            tier = _TIERS[key] = MooncakeTier(config)
+        _USERS[id(tier)] = _USERS.get(id(tier), 0) + 1
+        return tier
+
+
+def release_tier(tier: MooncakeTier) -> None:
+    """One user of ``tier`` is done; the last one closes it."""
+    with _TIERS_LOCK:
+        left = _USERS.get(id(tier), 1) - 1
+        if left > 0:
+            _USERS[id(tier)] = left
+            return
+        _USERS.pop(id(tier), None)
+        for key, value in list(_TIERS.items()):
+            if value is tier:
+                del _TIERS[key]
+    tier.close()
+
+
+def mooncake_missing() -> str | None:
+    """Why the Mooncake client cannot be imported here; None when it can."""
+    try:
+        import mooncake.store  # noqa: F401
+    except (ImportError, OSError) as exc:
+        return (
+            f"mooncake.store cannot be imported ({exc}); expected the wheel "
+            "mooncake-transfer-engine-non-cuda==0.3.13.post1 (or -npu on Ascend) "
+            "and libibverbs1 (scripts/setup_env.sh installs both)"
+        )
+    return None
+
+
+def _mooncake_client() -> Any:
+    from mooncake.store import MooncakeDistributedStore
+
+    return MooncakeDistributedStore()
+
+
+def _local_hostname(config: StoreConfig) -> str:
+    """The address this client advertises to the others: the master's host
+    when it is loopback (one machine), else this host's name."""
+    host = config.mooncake_master.rpartition(":")[0]
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    return os.environ.get("MC_LOCAL_HOSTNAME") or _hostname()
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()

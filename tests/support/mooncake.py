@@ -1,0 +1,331 @@
+"""A throwaway Mooncake Store master for the tier tests (tests/remote).
+
+mooncake_unavailable() says why the tier cannot run here (None when it can),
+require_mooncake() skips a test on it (fails it under CI), and MooncakeMaster
+runs one mooncake_master process on two free loopback ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import http.client
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+import pytest
+
+WHEEL = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+HOST = "127.0.0.1"
+
+# The Debian package that ships each shared library store.so links against,
+# for the fix named in mooncake_unavailable()'s reason.
+_LIB_PACKAGES = {
+    "libibverbs.so.1": "libibverbs1",
+    "libnl-3.so.200": "libnl-3-200",
+    "libnl-route-3.so.200": "libnl-route-3-200",
+    "libnuma.so.1": "libnuma1",
+    "libcurl.so.4": "libcurl4",
+    "libssl.so.3": "libssl3",
+    "libcrypto.so.3": "libssl3",
+}
+
+# A proxy from the environment (http_proxy without no_proxy=127.0.0.1) would
+# swallow the loopback health check, so the opener ignores proxies.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def find_master_binary() -> str | None:
+    """The mooncake_master next to sys.executable (the venv's bin), else on PATH."""
+    # Not resolved: .venv/bin/python is a symlink to the base interpreter,
+    # and the wheel installs its entry point beside the link.
+    beside = Path(sys.executable).parent / "mooncake_master"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mooncake_master")
+
+
+def import_failure_reason(error_text: str) -> str:
+    """The one-line reason (with its fix) for a failed `import mooncake.store`,
+    given the error it printed."""
+    lines = [line.strip() for line in error_text.strip().splitlines() if line]
+    last = lines[-1] if lines else "no error output"
+    if "No module named 'mooncake" in error_text:
+        return (
+            f"the Mooncake wheel is not installed ({last}): "
+            f"run scripts/setup_env.sh or pip install {WHEEL}"
+        )
+    for lib, package in _LIB_PACKAGES.items():
+        if lib in error_text:
+            return (
+                f"import mooncake.store needs {lib}, which is missing: "
+                f"run scripts/setup_env.sh or apt-get install {package}"
+            )
+    return f"import mooncake.store failed: {last} (run scripts/setup_env.sh)"
+
+
+@functools.cache
+def mooncake_unavailable() -> str | None:
+    """None when mooncake.store imports and mooncake_master is found, else why not."""
+    # In a child process: a missing shared library must never take down pytest
+    # collection, and the child leaves no Mooncake state in this process.
+    try:
+        probe = subprocess.run(
+            [sys.executable, "-c", "import mooncake.store"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"could not probe `import mooncake.store`: {error}"
+    if probe.returncode != 0:
+        return import_failure_reason(probe.stderr)
+    if find_master_binary() is None:
+        return (
+            f"mooncake_master is neither in {Path(sys.executable).parent} nor on "
+            f"PATH: run scripts/setup_env.sh or pip install {WHEEL}"
+        )
+    return None
+
+
+def under_ci() -> bool:
+    """Whether the CI variable is set (CI=true, as CI services set it)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def require_mooncake() -> None:
+    """Skip the calling test when Mooncake cannot run here; under CI fail it
+    instead, so that a broken setup cannot pass as a green run of skips."""
+    reason = mooncake_unavailable()
+    if reason is None:
+        return
+    if under_ci():
+        pytest.fail(f"Mooncake is unavailable under CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def free_ports(count: int) -> list[int]:
+    """count distinct TCP ports that are free on 127.0.0.1 right now."""
+    # All sockets stay bound until every port is picked, so the kernel cannot
+    # hand out the same port twice.
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket())
+            sock.bind((HOST, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def _port_bindable(port: int) -> bool:
+    # SO_REUSEADDR as the master's own listeners use it: a socket in TIME_WAIT
+    # does not block the bind, a live listener (say, a master left over) does.
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def _port_accepts(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _resolve_prctl() -> Callable[..., int] | None:
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None).prctl
+        return prctl
+    except (OSError, AttributeError):  # not Linux or no glibc: go without
+        return None
+
+
+# Looked up here, in the parent: the child between fork and exec should only
+# make the call, not load anything.
+_PRCTL = _resolve_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: if pytest itself is killed, the kernel
+    # kills the master too instead of leaving it running. The setting survives
+    # the entry point's execv into the real binary. (It fires when the thread
+    # that called start() exits, so start masters from the main thread.)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class MooncakeMaster:
+    """One mooncake_master process on 127.0.0.1, logging to log_dir.
+
+    The two ports are picked once, here, and kept across restart() so that
+    clients set up against `address` reconnect to the new process.
+    """
+
+    START_TIMEOUT = 10.0
+    START_ATTEMPTS = 5
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str],
+        *,
+        rpc_port: int | None = None,
+        metrics_port: int | None = None,
+        client_ttl: int = 3,
+        default_kv_lease_ttl: int = 1000,
+        binary: str | None = None,
+    ) -> None:
+        picked = free_ports(2)
+        self.rpc_port = rpc_port or picked[0]
+        self.metrics_port = metrics_port or picked[1]
+        self.client_ttl = client_ttl
+        self.default_kv_lease_ttl = default_kv_lease_ttl
+        self.log_path = Path(log_dir) / f"mooncake_master-{self.rpc_port}.log"
+        self._binary = binary or find_master_binary()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0  # processes launched so far, for tests of restart()
+
+    def command(self) -> list[str]:
+        """The command line start() runs."""
+        return [
+            str(self._binary),
+            f"--rpc_address={HOST}",
+            f"--rpc_port={self.rpc_port}",
+            f"--metrics_host={HOST}",
+            f"--metrics_port={self.metrics_port}",
+            f"--client_ttl={self.client_ttl}",
+            f"--default_kv_lease_ttl={self.default_kv_lease_ttl}",
+            "--enable_metric_reporting=false",
+        ]
+
+    @property
+    def address(self) -> str:
+        """The master's RPC address, as MooncakeDistributedStore.setup() takes it."""
+        return f"{HOST}:{self.rpc_port}"
+
+    @property
+    def pid(self) -> int | None:
+        """The PID of the running process; None when none runs."""
+        return self._proc.pid if self.running and self._proc else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def healthy(self) -> bool:
+        """Whether GET /health answers 200 within 1 s."""
+        url = f"http://{HOST}:{self.metrics_port}/health"
+        try:
+            with _OPENER.open(url, timeout=1) as response:
+                return bool(response.status == 200)
+        except (OSError, http.client.HTTPException):
+            return False
+
+    def start(self, timeout: float = START_TIMEOUT) -> MooncakeMaster:
+        """Launch the master and wait until it serves; RuntimeError (with the
+        log's tail) when it does not within timeout seconds."""
+        if self.running:
+            raise RuntimeError(f"mooncake_master already runs (pid {self.pid})")
+        if self._binary is None:
+            raise RuntimeError(mooncake_unavailable() or "mooncake_master not found")
+        # A few tries, for a port that the killed process's sockets still hold
+        # for a moment (the new master would exit at bind); a master that runs
+        # but never turns healthy is not retried.
+        for attempt in range(1, self.START_ATTEMPTS + 1):
+            problem, retry = self._start_once(timeout)
+            if not problem:
+                return self
+            if not retry or attempt == self.START_ATTEMPTS:
+                break
+            time.sleep(0.5)
+        raise RuntimeError(
+            f"mooncake_master on {self.address} did not start: {problem}\n"
+            f"--- {self.log_path} (tail)\n{self.log_tail()}"
+        )
+
+    def _start_once(self, timeout: float) -> tuple[str, bool]:
+        """Launch one process: ("", _) once it serves, else (what went wrong,
+        whether another try may help), the process then stopped."""
+        busy = [p for p in (self.rpc_port, self.metrics_port) if not _port_bindable(p)]
+        if busy:
+            return f"port(s) {busy} in use", True
+        self.starts += 1
+        with open(self.log_path, "ab") as log:
+            log.write(f"=== start {self.starts}: {self._binary}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                code = self._proc.returncode
+                self.stop()
+                return f"it exited with status {code}", True
+            # /health answers before the RPC listener is up (and even when its
+            # bind then fails), so wait for both, and for the process to live.
+            if self.healthy() and _port_accepts(self.rpc_port) and self.running:
+                return "", False
+            time.sleep(0.05)
+        self.stop()
+        return f"no healthy answer within {timeout:g} s", False
+
+    def stop(self) -> None:
+        """SIGKILL the process and reap it; a no-op when none runs."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    kill = stop  # reads better in a fault test: master.kill()
+
+    def restart(self, timeout: float = START_TIMEOUT) -> MooncakeMaster:
+        """stop(), then start() on the same ports. The new master is empty:
+        it keeps no objects or mounted segments of the old one."""
+        self.stop()
+        return self.start(timeout)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as error:
+            return f"(no log: {error})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> MooncakeMaster:
+        return self if self.running else self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.running else "stopped"
+        return f"MooncakeMaster({self.address}, metrics {self.metrics_port}, {state})"
