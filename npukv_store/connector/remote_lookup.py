@@ -30,6 +30,7 @@ class RemoteLookup:
         #: the longest time one step spent here (bench_remote reads it)
         self.step_s = 0.0
         self.max_step_s = 0.0
+        self.longest_s = 0.0  # over the whole run (logged at close)
 
     def new_step(self) -> None:
         """A scheduling step ends (build_connector_meta): a fresh budget."""
@@ -66,6 +67,13 @@ class RemoteLookup:
             found = 0
         self._held.pop(req_id, None)
         return found
+
+    def take_max_step_s(self) -> float:
+        """The longest step's time here since the last call."""
+        longest = max(self.max_step_s, self.step_s)
+        self.max_step_s = 0.0
+        self.longest_s = max(self.longest_s, longest)
+        return longest
 
     def forget(self, req_id: str) -> None:
         self._held.pop(req_id, None)

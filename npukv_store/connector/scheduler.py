@@ -456,6 +456,9 @@ class SchedulerSide:
             stats.add(
                 **remote_deltas(self.tier, SCHEDULER_COUNTERS, self._remote_reported)
             )
+            waited = self.remote.take_max_step_s() if self.remote is not None else 0
+            if waited > 0:
+                stats.peak("remote_wait_seconds", waited)
             if self.tier.up != self._remote_up:  # a gauge: sent when it moves
                 self._remote_up = self.tier.up
                 stats.data["remote_up"] = int(self.tier.up)
@@ -472,6 +475,13 @@ class SchedulerSide:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+        if self.remote is not None:
+            self.remote.take_max_step_s()
+            logger.info(
+                "npukv_store: remote tier: the longest scheduler step spent "
+                "%.2f ms on its lookups (remote_timeout_ms %.1f)",
+                self.remote.longest_s * 1e3, self.settings.remote_timeout_ms,
+            )  # fmt: skip
         if self.tier is not None:
             release_tier(self.tier)
 

@@ -59,8 +59,9 @@ WORKER_COUNTERS = tuple(
 #: steps); present only when it changed since the worker's last report
 GAUGES = ("ring_used_bytes", "remote_up")
 #: peaks: the largest over the steps and workers aggregated (the slowest
-#: rank's wait is the step's wait)
-PEAKS = ("load_wait_seconds",)
+#: rank's wait is the step's wait; remote_wait_seconds: the longest a
+#: scheduler step spent asking the remote tier)
+PEAKS = ("load_wait_seconds", "remote_wait_seconds")
 
 
 @dataclass

@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "npukv_store"
 # rank: a module may import only packages of a lower or equal rank
 RANK = {
     "errors": 0, "spec": 0, "config": 1,
-    "hashing": 2, "layout": 2, "store": 2, "io": 2, "device": 2,
+    "hashing": 2, "layout": 2, "store": 2, "io": 2, "device": 2, "remote": 2,
     "maintenance": 3, "cli": 4, "cli_render": 4, "connector": 5, "_native": 0,
     "native": 0, "_twin": 0,
     "liveness": 0,
@@ -34,6 +34,22 @@ def imports_of(path: pathlib.Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append(node.module)
     return found
+
+
+def test_remote_imports_only_config_spec_errors():
+    """The remote tier knows nothing of the store, I/O or devices: the
+    connector wires it in (the store sees it as a RemoteSink)."""
+    bad = []
+    for path in sorted((PACKAGE / "remote").rglob("*.py")):
+        for module in imports_of(path):
+            target = top_level(module)
+            if target and target not in ("remote", "config", "spec", "errors"):
+                bad.append(f"{path.name} imports {module}")
+    assert bad == []
+    store_imports = {
+        top_level(m) for p in (PACKAGE / "store").rglob("*.py") for m in imports_of(p)
+    }
+    assert "remote" not in store_imports
 
 
 def test_import_direction():
