@@ -11,7 +11,8 @@ stats of that step summed over workers (``NPUKVStats.data``).
                 vllm:npukv_load_decisions_total{decision=load|shorter|recompute|probe}
     histograms  vllm:npukv_load_gbps, vllm:npukv_save_gbps (one sample per step
                 that loaded or saved), vllm:npukv_load_wait_seconds (per step
-                whose forward waited for loads: the slowest worker's wait)
+                whose forward waited for loads: the slowest worker's wait),
+                vllm:npukv_remote_wait_seconds (per step that asked the tier)
     gauge       vllm:npukv_ring_used_bytes (staging ring held by unpublished saves),
                 vllm:npukv_remote_up (the remote tier answers: 1, or 0)
     remote      vllm:npukv_remote_*_total: the remote tier's hits, lookups,
@@ -123,6 +124,16 @@ class NPUKVPromMetrics(KVConnectorPromMetrics):
             ),
             engines,
         )
+        self.remote_wait: dict[int, Any] = create_metric_per_engine(
+            histogram(
+                name="vllm:npukv_remote_wait_seconds",
+                documentation="Seconds a scheduler step spent asking the "
+                "remote tier (per step that asked; bounded by remote_timeout_ms).",
+                buckets=_WAIT_BUCKETS,
+                labelnames=labelnames,
+            ),
+            engines,
+        )
         decisions = counter(
             name="vllm:npukv_load_decisions",
             documentation="The load policy's decisions on hits: load (all of "
@@ -169,6 +180,8 @@ class NPUKVPromMetrics(KVConnectorPromMetrics):
                 self.decisions[engine_idx][decision].inc(data[key])
         if data.get("load_wait_seconds", 0) > 0:
             self.load_wait[engine_idx].observe(data["load_wait_seconds"])
+        if data.get("remote_wait_seconds", 0) > 0:
+            self.remote_wait[engine_idx].observe(data["remote_wait_seconds"])
         if "ring_used_bytes" in data:
             self.ring_used[engine_idx].set(data["ring_used_bytes"])
         if "remote_up" in data:
