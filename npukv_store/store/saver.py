@@ -245,7 +245,15 @@ class AsyncSaver:
         target.publisher.release(batch.keys)
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        return self.writer.flush(timeout_s)
+        """Wait until everything staged so far is published, and its remote
+        puts (if any) have returned. False on timeout."""
+        began = time.monotonic()
+        if not self.writer.flush(timeout_s):
+            return False
+        if self.remote is None:
+            return True
+        left = None if timeout_s is None else timeout_s - (time.monotonic() - began)
+        return self.remote.drain(_REMOTE_DRAIN_S if left is None else max(0.0, left))
 
     def close(self) -> None:
         """Drain, stop the writer, release its engine and unlink the ring
