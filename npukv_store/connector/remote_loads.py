@@ -55,6 +55,7 @@ class _Buffer:
 
     def close(self) -> None:
         if self._region is not None:
+            self._tier.unregister(self.view.ctypes.data)
             self._region.close()
             self._region = None
 

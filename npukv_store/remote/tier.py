@@ -50,6 +50,8 @@ PRESENT_TTL_S = 5.0
 #: puts waiting beyond this many batches are dropped (each holds ring space)
 MAX_QUEUED_PUTS = 8
 _SENTINEL = "npukv/health"
+_MAX_PENDING = 1024
+_MAX_PRESENT = 1 << 18
 
 Pieces = list[list[tuple[int, int]]]  # per key: (address, bytes) in value order
 
@@ -108,7 +110,9 @@ class MooncakeTier:
         self._get = ThreadPoolExecutor(1, thread_name_prefix="npukv-remote-get")
         self._queued_puts = 0
         self._arena = np.zeros(0, dtype=np.uint8)
-        self._busy_since: dict[str, float] = {}  # thread -> when its call began
+        self._busy_since: dict[str, float] = {}  # call -> when it began
+        self._stalled: dict[str, float] = {}  # call -> the start counted as stuck
+        self._puts_lock = threading.Lock()
         self._closed = False
         self._ctl.submit(self._connect)
 
@@ -131,9 +135,14 @@ class MooncakeTier:
         return False
 
     def _check_stall(self) -> None:
+        """A control or put call still out after STALL_S is a dead master (a
+        load has its own deadline); each stuck call counts once."""
         now = time.monotonic()
         for name, since in list(self._busy_since.items()):
-            if now - since > STALL_S:
+            if name == "get" or now - since <= STALL_S:
+                continue
+            if self._stalled.get(name) != since:
+                self._stalled[name] = since
                 self._failed(f"a {name} call has not returned in {now - since:.1f} s")
 
     def _failed(self, reason: str) -> None:
@@ -239,6 +248,7 @@ class MooncakeTier:
         probe_key = (names[known], len(names) - known)
         pending = self._pending.get(probe_key)
         if pending is None:
+            self._trim(now)
             pending = (self._ctl.submit(self._probe, names[known:]), now)
             self._pending[probe_key] = pending
             self.counters.add(remote_lookups=1)
@@ -253,6 +263,16 @@ class MooncakeTier:
         self._pending.pop(probe_key, None)
         return known + found
 
+    def _trim(self, now: float) -> None:
+        """Bound the lookup caches: answers nobody asked for again, expired
+        presences."""
+        if len(self._pending) > _MAX_PENDING:
+            for key, (future, _) in list(self._pending.items()):
+                if future.done():
+                    del self._pending[key]
+        if len(self._present) > _MAX_PRESENT:
+            self._present = {k: t for k, t in self._present.items() if t > now}
+
     # -- worker: puts from the staging ring -------------------------------------------
 
     def register(self, address: int, nbytes: int) -> None:
@@ -265,6 +285,15 @@ class MooncakeTier:
             client = self._client
             if client is not None:  # local bookkeeping only: no master call
                 client.register_buffer(address, nbytes)
+
+    def unregister(self, address: int) -> None:
+        """Forget memory given to :meth:`register` (before it is freed)."""
+        with self._lock:
+            if self._registered.pop(address, None) is None:
+                return
+            client = self._client
+            if client is not None:
+                client.unregister_buffer(address)
 
     def offer_blocks(
         self,
@@ -279,11 +308,14 @@ class MooncakeTier:
         asynchronously; ``release`` is called once they are no longer read.
         False (and ``release`` called now): dropped, counted."""
         layout = ValueLayout.for_spec(spec)
-        if not self._usable() or self._queued_puts >= MAX_QUEUED_PUTS:
+        with self._puts_lock:
+            take = self._usable() and self._queued_puts < MAX_QUEUED_PUTS
+            if take:
+                self._queued_puts += 1
+        if not take:
             self.counters.add(remote_put_dropped=len(keys))
             release()
             return False
-        self._queued_puts += 1
         self._put.submit(
             self._put_batch, fingerprint, layout, tuple(keys), pieces, release
         )
@@ -331,7 +363,8 @@ class MooncakeTier:
             self.counters.add(remote_put_failed=len(keys))
             logger.warning("npukv_store: a remote put failed", exc_info=True)
         finally:
-            self._queued_puts -= 1
+            with self._puts_lock:
+                self._queued_puts -= 1
             release()
 
     def _prefix_arena(self, nbytes: int) -> np.ndarray:
@@ -385,20 +418,19 @@ class MooncakeTier:
         ok = [False] * count
         missing = corrupt = errors = 0
         for i, code in enumerate(codes):
+            why = ""
             if code == size:
                 why = verify_value(layout, fingerprint, keys[i], out[i])
-                if not why:
-                    ok[i] = True
-                    continue
-                corrupt += 1
-                self._warn_corrupt(names[i], why)
+                ok[i] = not why
             elif code == MISSING:
                 missing += 1
-            else:  # a value of another size is not ours either
+            elif code >= 0:  # a value of another size is not ours either
+                why = f"{code} bytes, expected {size}"
+            else:
                 errors += 1
-                if code >= 0:
-                    corrupt += 1
-                    self._warn_corrupt(names[i], f"{code} bytes, expected {size}")
+            if why:
+                corrupt += 1
+                self._warn_corrupt(names[i], why)
         if RPC_FAIL in codes:
             self._failed(f"batch_get_into returned {RPC_FAIL}")
         else:
@@ -409,7 +441,7 @@ class MooncakeTier:
             remote_load_bytes=good * size,
             remote_load_missing=missing,
             remote_load_corrupt=corrupt,
-            remote_load_errors=errors - (corrupt if errors else 0),
+            remote_load_errors=errors,
         )
         return FetchResult(ok)
 
@@ -437,7 +469,9 @@ class MooncakeTier:
         if self._closed:
             return
         self._closed = True
-        for pool in (self._put, self._get, self._ctl):
+        # queued puts still run, see _closed and release their regions at once
+        self._put.shutdown(wait=False)
+        for pool in (self._get, self._ctl):
             pool.shutdown(wait=False, cancel_futures=True)
         client, self._client = self._client, None
         if client is not None:
