@@ -1,0 +1,218 @@
+"""The connector with the remote tier, on a real master, without an engine:
+workers write through and load remote blocks bit-exact; the scheduler finds
+remote hits after the local prefix, splits the load at it, and never waits
+past its step budget."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm", reason="the connector needs vLLM")
+
+from npukv_store import KVStore  # noqa: E402
+from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata  # noqa: E402
+from npukv_store.connector.remote_lookup import GIVE_UP_STEPS  # noqa: E402
+from npukv_store.connector.scheduler import SchedulerSide  # noqa: E402
+from npukv_store.remote.tier import open_tier, release_tier  # noqa: E402
+from tests.support.connector import (  # noqa: E402
+    BLOCK,
+    LAYERS,
+    NUM_BLOCKS,
+    cpu_caches,
+    engine_config,
+    make_request,
+    worker_for,
+)
+
+
+def remote(master, **kw) -> dict:
+    return {
+        "remote_store": "mooncake",
+        "mooncake_master": master.address,
+        "mooncake_segment_size": "64MiB",
+        "mooncake_local_buffer": "16MiB",
+        **kw,
+    }
+
+
+def wait_up(tier, seconds: float = 10.0) -> None:
+    end = time.monotonic() + seconds
+    while not tier.up:
+        assert time.monotonic() < end, "the tier did not come up"
+        time.sleep(0.02)
+
+
+def save_blocks(tmp_path, master, keys, src_ids, seed=1):
+    """A worker of 'node A' saves ``keys`` from blocks ``src_ids``; returns
+    its caches (the expected bytes)."""
+    source = cpu_caches(seed=seed)
+    saver = worker_for(tmp_path / "a", source, layerwise="off", **remote(master))
+    assert saver.remote is not None
+    wait_up(saver.remote)
+    saver.bind(NPUKVMetadata(saves=[BlockTransfer("r", src_ids, [b"".join(keys)])]))
+    for name in LAYERS:
+        saver.wait_layer(name)
+        saver.save_layer(name)
+    saver.finish_step()
+    assert saver.store is not None and saver.store.flush(timeout_s=30)
+    counts = saver.remote.counters.snapshot()
+    assert counts.get("remote_put_blocks") == len(keys), counts
+    assert saver.store.ring_used_bytes() == 0
+    return saver, source
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_remote_blocks_load_bit_exact_and_are_promoted(tmp_path, mooncake_master, mode):
+    keys = [bytes([i + 1]) * 16 for i in range(4)]
+    saver, source = save_blocks(tmp_path, mooncake_master, keys, [3, 17, 4, 30])
+    target = cpu_caches(seed=2)
+    loader = worker_for(
+        tmp_path / "b", target, layerwise=mode, **remote(mooncake_master)
+    )
+    missing = bytes([99]) * 16  # not in the tier: a load error, recomputed
+    dst = [8, 9, 10, 11]
+    loads = [
+        BlockTransfer("r", dst, [b"".join(keys)], remote=True),
+        BlockTransfer("r", [12], [missing], remote=True),
+    ]
+    loader.bind(NPUKVMetadata(loads=loads))
+    loader.start_load()
+    for name in LAYERS:
+        loader.wait_layer(name)
+        loader.save_layer(name)
+    loader.finish_step()
+    assert loader.take_load_errors() == {12}
+    for name in LAYERS:
+        torch.testing.assert_close(target[name][dst], source[name][[3, 17, 4, 30]])
+    stats = loader.take_stats()
+    assert stats is not None and stats.data["remote_load_blocks"] == 4
+    assert stats.data["remote_load_missing"] == 1
+    assert loader.store is not None and loader.store.flush(timeout_s=30)
+    assert loader.store.lookup(keys) == 4, "promoted into the local store"
+    counts = loader.remote.counters.snapshot() if loader.remote else {}
+    assert counts.get("remote_put_blocks") == 4, "promoted blocks are not put back"
+    loader.close()
+    saver.close()
+
+
+def _scheduler(tmp_path, master, **kw) -> SchedulerSide:
+    from npukv_store import StoreConfig
+
+    vllm_config, kv_cache_config = engine_config()
+    cfg = StoreConfig(cache_dir=str(tmp_path), ring_size="8MiB", **remote(master, **kw))
+    side = SchedulerSide(vllm_config, kv_cache_config, cfg)
+    assert side.tier is not None
+    wait_up(side.tier)
+    return side
+
+
+def _match(side, request, computed=0, steps=5):
+    """match() as vLLM calls it: again in the next step while it says None."""
+    for _ in range(steps):
+        found = side.match(request, computed)
+        if found is not None:
+            return found
+        side.build_meta(_NoSchedule())
+    raise AssertionError("match kept answering None")
+
+
+class _NoSchedule:
+    num_scheduled_tokens: dict = {}
+    scheduled_new_reqs: list = []
+    scheduled_cached_reqs = None
+    finished_req_ids: set = set()
+
+
+def test_scheduler_claims_remote_blocks_after_the_local_prefix(
+    tmp_path, mooncake_master
+):
+    tokens = list(range(3, 3 + 6 * BLOCK + 1))  # 6 full blocks and one token
+    request = make_request("q", tokens)
+    side = _scheduler(tmp_path / "sched", mooncake_master)
+    keys = side._keys(side._state(request), 6)[0][0]
+    # node A saved all six blocks to the tier; this node holds the first two
+    saver, _ = save_blocks(tmp_path, mooncake_master, keys, list(range(6)))
+    assert side.store is not None
+    with KVStore(side.settings, side.store.spec) as local:
+        local.put(keys[:2], _zero_rows(local.spec, 2))
+    assert _match(side, request) == 6 * BLOCK
+    blocks = (list(range(1, 1 + 6)),)
+    side.allocated(request, blocks, 6 * BLOCK)
+    (local_load, remote_load) = side._loads["q"]
+    assert (local_load.remote, local_load.block_ids) == (False, [1, 2])
+    assert (remote_load.remote, remote_load.block_ids) == (True, [3, 4, 5, 6])
+    stats = side.take_stats()
+    assert stats is not None and stats.data["remote_hit_tokens"] == 4 * BLOCK
+    saver.close()
+    side.close()
+
+
+def test_scheduler_waits_at_most_its_budget_and_then_serves_locally(
+    tmp_path, mooncake_master
+):
+    side = _scheduler(tmp_path / "sched", mooncake_master, remote_timeout_ms=5)
+    assert side.tier is not None
+    tier = side.tier
+
+    def hangs(names):  # a probe that never comes back in time
+        time.sleep(0.5)
+        return 0
+
+    tier._probe = hangs  # type: ignore[method-assign]
+    request = make_request("slow", list(range(3, 3 + 4 * BLOCK + 1)))
+    answers, longest = [], 0.0
+    for _ in range(GIVE_UP_STEPS + 1):
+        began = time.perf_counter()
+        answers.append(side.match(request, 0))
+        longest = max(longest, time.perf_counter() - began)
+        side.build_meta(_NoSchedule())
+    assert answers == [None] * GIVE_UP_STEPS + [0]
+    assert longest < 0.005 + 0.010, f"a step waited {longest * 1e3:.1f} ms"
+    side.close()
+
+
+def test_scheduler_serves_locally_at_once_when_the_master_is_down(
+    tmp_path, mooncake_master
+):
+    side = _scheduler(tmp_path / "sched", mooncake_master)
+    mooncake_master.stop()
+    longest = 0.0
+    found = []
+    for i in range(20):
+        request = make_request(f"r{i}", list(range(5 + i, 5 + i + 3 * BLOCK + 1)))
+        began = time.perf_counter()
+        found.append(side.match(request, 0))
+        longest = max(longest, time.perf_counter() - began)
+        side.build_meta(_NoSchedule())
+    assert set(found) <= {0, None} and found[-1] == 0
+    assert longest <= side.settings.remote_timeout_ms / 1e3 + 0.005
+    assert side.tier is not None and not side.tier.up
+    side.close()
+
+
+def test_one_tier_per_process_and_master(tmp_path, mooncake_master):
+    from npukv_store import StoreConfig
+
+    cfg = StoreConfig(cache_dir=str(tmp_path), **remote(mooncake_master))
+    first, second = open_tier(cfg), open_tier(cfg)
+    assert first is second and first is not None
+    release_tier(first)
+    assert not first._closed, "still used"
+    release_tier(second)
+    assert first._closed
+
+
+def _zero_rows(spec, count):
+    import numpy as np
+
+    return {
+        name: np.zeros((count, part.row_bytes), np.uint8)
+        for layer in spec.layers
+        for name, part in zip(layer.tensor_names(), layer.parts, strict=True)
+    }
+
+
+assert NUM_BLOCKS >= 13
