@@ -57,7 +57,8 @@ def save_blocks(tmp_path, master, keys, src_ids, seed=1):
         saver.wait_layer(name)
         saver.save_layer(name)
     saver.finish_step()
-    assert saver.store is not None and saver.store.flush(timeout_s=30)
+    assert saver.store is not None
+    assert saver.store.flush(timeout_s=30)
     counts = saver.remote.counters.snapshot()
     assert counts.get("remote_put_blocks") == len(keys), counts
     assert saver.store.ring_used_bytes() == 0
@@ -88,9 +89,11 @@ def test_remote_blocks_load_bit_exact_and_are_promoted(tmp_path, mooncake_master
     for name in LAYERS:
         torch.testing.assert_close(target[name][dst], source[name][[3, 17, 4, 30]])
     stats = loader.take_stats()
-    assert stats is not None and stats.data["remote_load_blocks"] == 4
+    assert stats is not None
+    assert stats.data["remote_load_blocks"] == 4
     assert stats.data["remote_load_missing"] == 1
-    assert loader.store is not None and loader.store.flush(timeout_s=30)
+    assert loader.store is not None
+    assert loader.store.flush(timeout_s=30)
     assert loader.store.lookup(keys) == 4, "promoted into the local store"
     counts = loader.remote.counters.snapshot() if loader.remote else {}
     assert counts.get("remote_put_blocks") == 4, "promoted blocks are not put back"
@@ -145,7 +148,8 @@ def test_scheduler_claims_remote_blocks_after_the_local_prefix(
     assert (local_load.remote, local_load.block_ids) == (False, [1, 2])
     assert (remote_load.remote, remote_load.block_ids) == (True, [3, 4, 5, 6])
     stats = side.take_stats()
-    assert stats is not None and stats.data["remote_hit_tokens"] == 4 * BLOCK
+    assert stats is not None
+    assert stats.data["remote_hit_tokens"] == 4 * BLOCK
     saver.close()
     side.close()
 
@@ -187,9 +191,11 @@ def test_scheduler_serves_locally_at_once_when_the_master_is_down(
         found.append(side.match(request, 0))
         longest = max(longest, time.perf_counter() - began)
         side.build_meta(_NoSchedule())
-    assert set(found) <= {0, None} and found[-1] == 0
+    assert set(found) <= {0, None}
+    assert found[-1] == 0
     assert longest <= side.settings.remote_timeout_ms / 1e3 + 0.005
-    assert side.tier is not None and not side.tier.up
+    assert side.tier is not None
+    assert not side.tier.up
     side.close()
 
 
@@ -198,7 +204,8 @@ def test_one_tier_per_process_and_master(tmp_path, mooncake_master):
 
     cfg = StoreConfig(cache_dir=str(tmp_path), **remote(mooncake_master))
     first, second = open_tier(cfg), open_tier(cfg)
-    assert first is second and first is not None
+    assert first is second
+    assert first is not None
     release_tier(first)
     assert not first._closed, "still used"
     release_tier(second)
