@@ -1,6 +1,6 @@
 """The bytes of one block in the remote tier: a self-describing value.
 
-Runs in: any process (pure: numpy, xxhash and the namespace spec).
+Runs in: any process (pure: numpy, xxhash, the native xxh3 and the spec).
 
 A remote value is one block of one namespace, every layer::
 
@@ -17,8 +17,8 @@ A remote value is one block of one namespace, every layer::
 The checksums are the chunk format's (docs/format.md): xxh3_64 of a block's
 bytes of one layer, all its parts in order. A saver copies them from the
 checksum table the writer fills, and a reader checks them exactly as it checks
-a chunk row. Any mismatch (magic, format, namespace, key, length, a layer's
-checksum) is a miss. Little-endian throughout.
+a chunk row. Any mismatch (magic, format, namespace, key, length, a reserved
+field that is not 0, a layer's checksum) is a miss. Little-endian throughout.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from npukv_store import native
 from npukv_store.spec import NamespaceSpec
 
 VALUE_MAGIC = b"NPUKVBLK"
@@ -103,6 +104,20 @@ def encode_value(
     return layout.prefix(fingerprint, key) + sums + b"".join(layers)
 
 
+def layer_checksums(layout: ValueLayout, value: np.ndarray) -> list[int]:
+    """xxh3_64 of each layer's bytes of ``value``: one native call (GIL
+    released) when the layers are of one size, as a model's layers are."""
+    data = value[layout.header_bytes :]
+    sizes = set(layout.layer_bytes)
+    if len(sizes) == 1:
+        return [int(x) for x in native.xxh3_rows([data], layout.num_layers)]
+    out, offset = [], 0
+    for size in layout.layer_bytes:
+        out.append(int(native.xxh3_rows([data[offset : offset + size]], 1)[0]))
+        offset += size
+    return out
+
+
 def verify_value(
     layout: ValueLayout, fingerprint: bytes, key: bytes, value: np.ndarray
 ) -> str:
@@ -111,7 +126,9 @@ def verify_value(
     if value.size != layout.value_bytes:
         return f"{value.size} bytes, expected {layout.value_bytes}"
     raw = value.data
-    magic, fmt, layers, data_bytes, found_ns, found_key, _ = PREFIX.unpack_from(raw)
+    magic, fmt, layers, data_bytes, found_ns, found_key, reserved = PREFIX.unpack_from(
+        raw
+    )
     if magic != VALUE_MAGIC:
         return f"magic {magic!r}, expected {VALUE_MAGIC!r}"
     if fmt != VALUE_FORMAT:
@@ -125,13 +142,11 @@ def verify_value(
         return f"namespace {found_ns.hex()[:12]}, expected {fingerprint.hex()[:12]}"
     if found_key != key:
         return f"key {found_key.hex()}, expected {key.hex()}"
+    if reserved != 0:
+        return f"reserved {reserved:#x}, expected 0"
     sums = struct.unpack_from(f"<{layers}Q", raw, PREFIX_BYTES)
-    offset = layout.header_bytes
-    for index, (expected, size) in enumerate(
-        zip(sums, layout.layer_bytes, strict=True)
-    ):
-        found = xxhash.xxh3_64_intdigest(raw[offset : offset + size])
-        if found != expected:
-            return f"layer {index} checksum {found:016x}, expected {expected:016x}"
-        offset += size
+    found = layer_checksums(layout, value)
+    for index, (expected, got) in enumerate(zip(sums, found, strict=True)):
+        if got != expected:
+            return f"layer {index} checksum {got:016x}, expected {expected:016x}"
     return ""
