@@ -85,6 +85,7 @@ class RemoteLoads:
         self._promote = promote
         self._value_layouts = [ValueLayout.for_spec(s.spec) for s in self._stores]
         self._buffer = _Buffer(tier, backend)
+        self._abandoned: list[_Buffer] = []  # still written by a hung call
 
     def load(
         self, keys: Sequence[Sequence[bytes]], block_ids: Sequence[list[int]]
@@ -109,7 +110,8 @@ class RemoteLoads:
                 "npukv_store: remote load failed; recomputing", exc_info=True
             )
             return list(ids)
-        if result.abandoned:  # the call may still write into it: never reuse it
+        if result.abandoned:  # the call may still write into it: keep it
+            self._abandoned.append(self._buffer)  # alive, and never reuse it
             self._buffer = _Buffer(self.tier, self._backend)
             return list(ids)
         rows = [i for i in range(count) if result.ok[i]]

@@ -114,6 +114,8 @@ class SchedulerSide:
             return
         self.hint_readahead = _workers_load_layerwise(vllm_config, settings)
         self.loads_on = self._loads_allowed(vllm_config)
+        if any(group.kind != "full" for group in self.engine.groups):
+            return  # hybrid models: local only (docs/caveats.md)
         self.tier = open_tier(settings)
         if self.tier is not None:
             self.remote = RemoteLookup(self.tier, settings.remote_timeout_ms)

@@ -180,6 +180,13 @@ class WorkerSide:
     def _remote_loads(self, ring: Any) -> RemoteLoads | None:
         """The remote tier (remote_store: mooncake): the ring's published
         blocks are written to it, and loads read its blocks."""
+        if self.engine is not None and any(
+            group.kind != "full" for group in self.engine.groups
+        ):
+            # lookups only follow full-attention chains (scheduler._hit):
+            # writing a hybrid model's blocks there would only fill the pool
+            logger.info("npukv_store: a hybrid model: the remote tier is not used")
+            return None
         tier = open_tier(self.settings)
         if tier is None:
             return None

@@ -130,8 +130,8 @@ class MooncakeTier:
         if self._closed:
             return False
         self._check_stall()
-        if self._client is not None and self.breaker.up:
-            return True
+        if self.breaker.up:  # no client yet: the first setup is still out
+            return self._client is not None
         if self.breaker.allow(time.monotonic()):
             self._ctl.submit(self._connect if self._client is None else self._health)
         return False
@@ -542,6 +542,10 @@ def open_tier(config: StoreConfig) -> MooncakeTier | None:
     the connector's sides; give it back with :func:`release_tier`); None when
     ``remote_store`` is ``none``."""
     if config.remote_store == "none":
+        return None
+    missing = mooncake_missing()
+    if missing is not None:
+        logger.error("npukv_store: the remote tier is off: %s", missing)
         return None
     key = (config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol)
     with _TIERS_LOCK:
