@@ -2,8 +2,10 @@
 # vLLM (CPU build) and the package with its [test] extras (building the C extension).
 # Idempotent. Leaves PY pointing at the venv's python.
 PYTHON=${PYTHON:-python3}
-# No system packages needed: the C extension's one header dependency (xxhash.h)
-# ships in native/third_party for machines without libxxhash-dev.
+# The C extension needs no system package: its one header dependency (xxhash.h)
+# ships in native/third_party for machines without libxxhash-dev. The Mooncake
+# tier's wheel needs libibverbs1 and friends: installed at the end (apt-get as
+# root, else unpacked into .venv/sysroot).
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
