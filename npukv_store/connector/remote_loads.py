@@ -12,17 +12,20 @@ through the device layer, on the transfer stream, before any local layer of
 the job is issued: every layer's "done" event, recorded later on the same
 stream, covers them. With ``remote_promote`` the verified blocks are also
 staged into the local store (not written back to the tier), so the next hit
-on them is local.
+on them is local; that copy runs on its own thread, after the pages are
+filled, and the next load waits for it before reusing the buffer.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from npukv_store import native
 from npukv_store.layout import build_runs
 from npukv_store.remote.tier import MooncakeTier
 from npukv_store.remote.value import ValueLayout
@@ -49,6 +52,9 @@ class _Buffer:
             self._raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
             skip = -self._raw.ctypes.data % _ALIGN
             self.view = self._raw[skip : skip + nbytes]
+            # touched now, not by the first transfer into it: page faults
+            # inside a get count against its deadline (and the TTFT)
+            self.view.fill(0)
             self._tier.register(self.view.ctypes.data, nbytes)
             self._region = self._backend.register_host(self.view.ctypes.data, nbytes)
         return self.view[:nbytes]
@@ -86,6 +92,8 @@ class RemoteLoads:
         self._value_layouts = [ValueLayout.for_spec(s.spec) for s in self._stores]
         self._buffer = _Buffer(tier, backend)
         self._abandoned: list[_Buffer] = []  # still written by a hung call
+        self._promoter = ThreadPoolExecutor(1, thread_name_prefix="npukv-promote")
+        self._promoting: Future[None] | None = None
 
     def load(
         self, keys: Sequence[Sequence[bytes]], block_ids: Sequence[list[int]]
@@ -102,6 +110,7 @@ class RemoteLoads:
         store = self._stores[group]
         layout = self._value_layouts[group]
         count = len(keys)
+        self._wait_promotion()  # it reads the buffer about to be reused
         try:
             host = self._buffer.ensure(count * layout.value_bytes).reshape(count, -1)
             result = self.tier.fetch(store.fingerprint, layout, keys, host)
@@ -124,7 +133,10 @@ class RemoteLoads:
                 )
                 return list(ids)
             if self._promote:
-                self._promote_rows(store, layout, host, [keys[i] for i in rows], rows)
+                self._promoting = self._promoter.submit(
+                    self._promote_rows, store, layout, host,
+                    [keys[i] for i in rows], rows,
+                )  # fmt: skip
         return [ids[i] for i in range(count) if not result.ok[i]]
 
     def _copy(
@@ -160,26 +172,38 @@ class RemoteLoads:
         keys: list[bytes],
         rows: list[int],
     ) -> None:
-        """Stage verified remote blocks into the local store (best effort: a
-        full ring or a claimed key just skips them)."""
+        """Stage verified remote blocks into the local store, on the promotion
+        thread (off the load: the next load waits for it before reusing the
+        buffer). Best effort: a full ring or a claimed key skips them."""
         try:
             staged = store.begin_save(keys, to_remote=False)
             if staged is None:
                 return
-            picked = host[[rows[i] for i in staged.indices]]
-            image = staged.image
             chunk = staged.batch.layout
+            base, size = host.ctypes.data, layout.value_bytes
+            image = staged.image.ctypes.data + chunk.data_start
+            src, dst, sizes = [], [], []
             offset = layout.header_bytes
-            for part in chunk.parts():
-                begin = chunk.data_start + part.begin
-                section = image[begin : chunk.data_start + part.end]
-                section.reshape(len(staged.keys), part.row_bytes)[:] = picked[
-                    :, offset : offset + part.row_bytes
-                ]
+            for part in chunk.parts():  # file order: the value's order too
+                for slot, index in enumerate(staged.indices):
+                    src.append(base + rows[index] * size + offset)
+                    dst.append(image + part.begin + slot * part.row_bytes)
+                    sizes.append(part.row_bytes)
                 offset += part.row_bytes
+            native.copy_ptrs(
+                np.array(src, np.int64), np.array(dst, np.int64),
+                np.array(sizes, np.int64),
+            )  # fmt: skip
             store.commit_save(staged)
         except Exception:
             logger.warning("npukv_store: promoting remote blocks failed", exc_info=True)
 
+    def _wait_promotion(self) -> None:
+        pending, self._promoting = self._promoting, None
+        if pending is not None:
+            pending.result()
+
     def close(self) -> None:
+        self._wait_promotion()
+        self._promoter.shutdown(wait=True)
         self._buffer.close()
