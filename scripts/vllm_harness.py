@@ -23,7 +23,10 @@ is on, as in production (``--no-prefix-caching`` turns it off).
 prompt's KV kept in host memory, the second request of it a hit). For
 scripts/profile_cold_hit.py: ``--trace FILE`` times vLLM's steps and the
 connectors' hooks (install() there, before vLLM starts) and
-``--pause-after-warmup DIR`` waits for a profiler around the timed prompts.
+``--pause-after-warmup DIR`` waits for a profiler around the timed prompts
+(``--pause-before I`` also before prompt I: a test acts between prompts).
+``--shutdown`` shuts the engine down at the end, so the connector's close()
+runs, and logs, before the process exits.
 
 Test-only hooks, in-process mode too: ``--record-kv FILE`` writes a digest of
 every KV block page the connector saves (by key and layer, taken when the
@@ -345,7 +348,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True
     )
     results = []
-    for tokens in [] if args.batch_only else prompts:
+    for index, tokens in enumerate([] if args.batch_only else prompts):
+        if index in args.pause_before:  # the caller acts between prompts
+            _wait_for_gate(args.pause_after_warmup, f"before-{index}", f"go-{index}")
         if external is not None:
             external.append(0)
         ttft_s = None
@@ -395,6 +400,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
             "seconds": time.perf_counter() - begin,
         }
+    if args.shutdown:  # the connectors' close() runs (and logs) here
+        llm.llm_engine.engine_core.shutdown()
     return report
 
 
@@ -475,7 +482,18 @@ def main(argv: list[str] | None = None) -> int:
         help="after the warm-up write DIR/ready and wait for DIR/go; after the "
         "prompts write DIR/done and wait for DIR/exit (to attach a profiler)",
     )  # fmt: skip
+    go.add_argument(
+        "--pause-before", type=int, action="append", default=[], metavar="I",
+        help="before prompt I (0-based; repeatable) write DIR/before-I and wait "
+        "for DIR/go-I (DIR: --pause-after-warmup's)",
+    )  # fmt: skip
+    go.add_argument(
+        "--shutdown", action="store_true",
+        help="shut the engine down before exiting (the connectors' close() runs)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.command == "run" and args.pause_before and not args.pause_after_warmup:
+        parser.error("--pause-before needs --pause-after-warmup DIR")
     if args.command == "build-model" and args.family:
         build_family(args.path, args.family, args.seed)
         return 0

@@ -53,8 +53,8 @@ class CircuitBreaker:
             return "remote tier is back: asking it again"
 
     def failure(self, now: float, reason: str) -> str | None:
-        """A call failed (or hung); returns the log line when this opens the
-        breaker (from closed) or the first time a probe fails."""
+        """A call failed (or hung); returns the log line only when this opens
+        the breaker from closed (a failed probe doubles the wait, silently)."""
         with self._lock:
             was = self.state
             self.wait_s = (

@@ -175,6 +175,11 @@ class MooncakeTier:
             return
         config = self.config
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "1")  # not 90 s
+        if self._factory is _mooncake_client and not _master_listens(
+            config.mooncake_master
+        ):
+            self._failed(f"master {config.mooncake_master} refuses connections")
+            return
         try:
             client = self._factory()
             rc = self._call("setup", lambda: client.setup(
@@ -637,3 +642,17 @@ def _hostname() -> str:
     import socket
 
     return socket.gethostname()
+
+
+def _master_listens(address: str, timeout_s: float = 0.5) -> bool:
+    """Whether the master's RPC port takes a TCP connection. Asked before each
+    setup: Mooncake's setup() holds the GIL, so the whole process stops for
+    the ~4.5 s it takes to fail against no master (measured; close() too)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False

@@ -25,10 +25,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from vllm_harness import WARMUP_TOKENS  # noqa: E402
 
 
-def build_model(path: Path, family: str = "") -> Path:
+def build_model(path: Path, family: str = "", args: tuple[str, ...] = ()) -> Path:
     """A tiny random-weight model (``family`` from scripts/tiny_models.py, or
-    the harness's own Llama); returns ``path``."""
-    cmd = [sys.executable, HARNESS, "build-model", str(path)]
+    the harness's own Llama); ``args``: more build-model options (``--seed
+    1``, a shape); returns ``path``."""
+    cmd = [sys.executable, HARNESS, "build-model", str(path), *args]
     if family:
         cmd += ["--family", family]
     subprocess.run(cmd, check=True, capture_output=True)

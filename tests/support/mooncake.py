@@ -2,7 +2,10 @@
 
 mooncake_unavailable() says why the tier cannot run here (None when it can),
 require_mooncake() skips a test on it (fails it under CI), and MooncakeMaster
-runs one mooncake_master process on two free loopback ports.
+runs one mooncake_master process on two free loopback ports (its metrics():
+key_count(), stored_keys(), capacity_bytes()). MooncakePool runs a long-lived
+mooncake_client process that contributes a segment to a master's pool (the
+values put into it outlive the clients that put them).
 """
 
 from __future__ import annotations
@@ -53,6 +56,15 @@ def find_master_binary() -> str | None:
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     return shutil.which("mooncake_master")
+
+
+def find_client_binary() -> str | None:
+    """The mooncake_client (a standalone client contributing a segment) next
+    to sys.executable, else on PATH."""
+    beside = Path(sys.executable).parent / "mooncake_client"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mooncake_client")
 
 
 def import_failure_reason(error_text: str) -> str:
@@ -237,6 +249,62 @@ class MooncakeMaster:
         except (OSError, http.client.HTTPException):
             return False
 
+    def metrics(self) -> dict[str, float]:
+        """The master's Prometheus text (GET /metrics) as ``{"name{labels}":
+        value}``; OSError when it does not answer."""
+        url = f"http://{HOST}:{self.metrics_port}/metrics"
+        with _OPENER.open(url, timeout=2) as response:
+            text = response.read().decode(errors="replace")
+        found = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            name, _, value = line.rpartition(" ")
+            with contextlib.suppress(ValueError):
+                found[name] = float(value)
+        return found
+
+    def key_count(self) -> int:
+        """The objects the master holds (the gauge master_key_count)."""
+        return int(self.metrics().get("master_key_count", 0))
+
+    def capacity_bytes(self) -> int:
+        """The bytes of every segment mounted with the master, together."""
+        return int(
+            sum(
+                value
+                for name, value in self.metrics().items()
+                if name.startswith("segment_total_capacity_bytes")
+            )
+        )
+
+    def stored_keys(self) -> list[str]:
+        """Every key the master holds (GET /get_all_keys)."""
+        url = f"http://{HOST}:{self.metrics_port}/get_all_keys"
+        with _OPENER.open(url, timeout=2) as response:
+            text = response.read().decode(errors="replace")
+        return [line.strip() for line in text.splitlines() if line.strip()]
+
+    def wait_keys_settle(
+        self, *, quiet_s: float = 1.5, timeout: float = 30.0, at_least: int = 1
+    ) -> int:
+        """Poll key_count() until it has not moved for ``quiet_s`` and is at
+        least ``at_least``; returns it (RuntimeError after ``timeout`` s)."""
+        deadline = time.monotonic() + timeout
+        last, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            count = self.key_count()
+            now = time.monotonic()
+            if count != last:
+                last, since = count, now
+            elif count >= at_least and now - since >= quiet_s:
+                return count
+            time.sleep(0.1)
+        raise RuntimeError(
+            f"master_key_count did not settle at >= {at_least} within "
+            f"{timeout:g} s (last {last})"
+        )
+
     def start(self, timeout: float = START_TIMEOUT) -> MooncakeMaster:
         """Launch the master and wait until it serves; RuntimeError (with the
         log's tail) when it does not within timeout seconds."""
@@ -329,3 +397,131 @@ class MooncakeMaster:
     def __repr__(self) -> str:
         state = f"pid {self.pid}" if self.running else "stopped"
         return f"MooncakeMaster({self.address}, metrics {self.metrics_port}, {state})"
+
+
+class MooncakePool:
+    """One mooncake_client process contributing ``segment_size`` bytes to
+    ``master``'s pool, logging to log_dir: values put by clients that
+    contribute nothing themselves (``mooncake_segment_size: 0``) live here and
+    outlive those clients. After a master restart it mounts its segment again
+    by itself (wait_mounted())."""
+
+    START_TIMEOUT = 20.0
+
+    def __init__(
+        self,
+        master: MooncakeMaster,
+        log_dir: str | os.PathLike[str],
+        *,
+        segment_size: int = 256 << 20,
+        binary: str | None = None,
+    ) -> None:
+        self.master = master
+        self.segment_size = segment_size
+        self.port = free_ports(1)[0]
+        self.log_path = Path(log_dir) / f"mooncake_pool-{self.port}.log"
+        self._binary = binary or find_client_binary()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        """The command line start() runs."""
+        return [
+            str(self._binary),
+            f"-global_segment_size={self.segment_size}",
+            f"-master_server_address={self.master.address}",
+            "-metadata_server=P2PHANDSHAKE",
+            f"-host={HOST}",
+            f"-port={self.port}",
+            "-protocol=tcp",
+        ]
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self.running and self._proc else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = START_TIMEOUT) -> MooncakePool:
+        """Launch the client and wait until the master counts its segment;
+        RuntimeError (with the log's tail) when it does not within timeout s."""
+        if self.running:
+            raise RuntimeError(f"mooncake_client already runs (pid {self.pid})")
+        if self._binary is None:
+            raise RuntimeError(
+                f"mooncake_client is neither in {Path(sys.executable).parent} nor "
+                f"on PATH: run scripts/setup_env.sh or pip install {WHEEL}"
+            )
+        before = self.master.capacity_bytes()
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
+        try:
+            self._wait_capacity(before + self.segment_size, timeout)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+    def wait_mounted(self, timeout: float = START_TIMEOUT) -> None:
+        """Wait until the master counts at least this pool's bytes (after a
+        master restart the client mounts its segment again by itself)."""
+        self._wait_capacity(self.segment_size, timeout)
+
+    def _wait_capacity(self, target: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                code = self._proc.returncode if self._proc else None
+                raise RuntimeError(
+                    f"mooncake_client exited with status {code}\n"
+                    f"--- {self.log_path} (tail)\n{self.log_tail()}"
+                )
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                if self.master.capacity_bytes() >= target:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(
+            f"the master did not count mooncake_client's {self.segment_size} B "
+            f"segment within {timeout:g} s\n"
+            f"--- {self.log_path} (tail)\n{self.log_tail()}"
+        )
+
+    def stop(self) -> None:
+        """SIGKILL the process and reap it (its values vanish); a no-op when
+        none runs."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as error:
+            return f"(no log: {error})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> MooncakePool:
+        return self if self.running else self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid {self.pid}" if self.running else "stopped"
+        return f"MooncakePool({self.master.address}, {self.segment_size} B, {state})"

@@ -1,0 +1,385 @@
+"""MooncakeTier when things go wrong: the master killed, restarted, never
+there at setup, and a client whose calls hang. Nothing may raise, no caller
+may wait longer than it asked, and an outage costs one warning each way."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from statistics import median
+
+import numpy as np
+import pytest
+
+from npukv_store import StoreConfig
+from npukv_store.hashing import namespace_fingerprint
+from npukv_store.remote.breaker import CLOSED
+from npukv_store.remote.tier import STALL_S, MooncakeTier
+from npukv_store.remote.value import ValueLayout
+from tests.remote.test_tier import (
+    Nodes,
+    expected_values,
+    join_closes,
+    load_buffer,
+    make_keys,
+    put_through,
+    tier_config,
+    wait_until,
+)
+from tests.support.blocks import tiny_spec
+from tests.support.mooncake import MooncakeMaster, free_ports, require_mooncake
+
+LOGGER = "npukv_store.remote.tier"
+SPEC = tiny_spec()
+FP = namespace_fingerprint(SPEC)
+LAYOUT = ValueLayout.for_spec(SPEC)
+
+
+def lines(caplog, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == LOGGER and text in r.getMessage()]
+
+
+def timed(fn, *args):
+    began = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - began
+
+
+@pytest.fixture
+def nodes(mooncake_master, tmp_path):
+    made = Nodes(mooncake_master, tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def value_pieces(values: np.ndarray, layout: ValueLayout) -> list:
+    """Per value of ``values``: its body after the 64-byte prefix, one piece."""
+    base, size = values.ctypes.data, layout.value_bytes
+    return [[(base + i * size + 64, size - 64)] for i in range(len(values))]
+
+
+# -- the master killed, then restarted -------------------------------------------------
+
+
+def test_dead_master_costs_one_warning_and_no_waiting(nodes, mooncake_master, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    tier = nodes.tier()
+    store = nodes.store(tier, SPEC)
+    keys = make_keys("before", 8)
+    put_through(store, keys)
+    assert tier.lookup(FP, keys, 0.5) == 8  # seen present (and cached)
+
+    mooncake_master.stop()
+    answers, times = [], []
+    end = time.monotonic() + 2.5  # past two health probes (1 s, then 2 s)
+    while time.monotonic() < end:
+        answer, took = timed(tier.lookup, FP, make_keys(f"dead{len(times)}", 4), 0.02)
+        answers.append(answer)
+        times.append(took)
+        time.sleep(0.005)
+    assert max(times) < 0.05, f"slowest lookup {max(times) * 1e3:.1f} ms"
+    first_zero = answers.index(0)
+    assert first_zero <= 3, answers[:10]
+    assert set(answers[first_zero:]) == {0}, answers
+    assert not tier.up
+    assert tier.breaker.state != CLOSED
+    assert tier.lookup(FP, keys, 0.02) == 0  # a cached presence is not served
+    down = lines(caplog, "remote tier is down")
+    assert len(down) == 1, [r.getMessage() for r in down]
+    assert down[0].levelno == logging.WARNING
+    assert lines(caplog, "remote tier is back") == []
+
+    # a put offered while down is dropped, counted and its region released
+    released = []
+    values = expected_values(SPEC, make_keys("offer", 2))
+    offered, took = timed(
+        tier.offer_blocks, SPEC, FP, make_keys("offer", 2),
+        value_pieces(values, LAYOUT), lambda: released.append(True),
+    )  # fmt: skip
+    assert offered is False
+    assert released == [True]
+    assert took < 0.05
+    assert tier.counters.snapshot().get("remote_put_dropped") == 2
+    # a load while down is a miss at once
+    out = load_buffer(tier, LAYOUT, 8)
+    result, took = timed(tier.fetch, FP, LAYOUT, keys, out)
+    assert result.ok == [False] * 8
+    assert not result.abandoned
+    assert took < 0.05
+    # and the store goes on locally, its ring not held by the dead tier
+    more = make_keys("while-down", 8)
+    began = time.monotonic()
+    put_through(store, more)
+    assert time.monotonic() - began < 2.0
+    assert store.lookup(more) == 8
+    assert store.ring_used_bytes() == 0
+    assert tier.counters.snapshot().get("remote_put_dropped") == 10
+    assert len(lines(caplog, "remote tier is down")) == 1
+
+
+def test_restarted_master_is_found_again(nodes, mooncake_master, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    tier = nodes.tier()
+    store = nodes.store(tier, SPEC)
+    old = make_keys("old", 8)
+    put_through(store, old)
+    # restart(), in its two halves, so that the tier sees the master gone
+    mooncake_master.stop()
+    assert wait_until(
+        lambda: tier.lookup(FP, make_keys("probe", 2), 0.02) == 0 and not tier.up, 2.0
+    )
+    mooncake_master.start()
+    polls = 0
+
+    def back() -> bool:
+        nonlocal polls
+        polls += 1
+        tier.lookup(FP, make_keys(f"poll{polls}", 2), 0.02)
+        return tier.up
+
+    assert wait_until(back, 15.0, step=0.05), tier.breaker.reason
+    assert len(lines(caplog, "remote tier is down")) == 1
+    assert len(lines(caplog, "remote tier is back")) == 1
+    # the restarted master is empty; new puts and loads work
+    assert tier.lookup(FP, old, 0.5) == 0
+    # The tier is back as soon as the master answers, but the client mounts
+    # its segment again by itself a moment later (up to ~2 s): until then
+    # the pool has no room and puts are rejected as full (-200), the blocks
+    # kept locally. New blocks each try, as a stored block is not put again.
+    attempts = 0
+
+    def put_new() -> bool:
+        nonlocal attempts
+        attempts += 1
+        before = tier.counters.snapshot().get("remote_put_blocks", 0)
+        put_through(store, make_keys(f"new{attempts}", 8))
+        return tier.counters.snapshot().get("remote_put_blocks", 0) == before + 8
+
+    assert wait_until(put_new, 5.0, step=0.1), tier.counters.snapshot()
+    new = make_keys(f"new{attempts}", 8)
+    counts = tier.counters.snapshot()
+    assert counts.get("remote_put_blocks") == 16, counts
+    assert counts.get("remote_put_failed", 0) == 0, counts
+    assert tier.lookup(FP, new, 0.5) == 8
+    out = load_buffer(tier, LAYOUT, 8)
+    assert tier.fetch(FP, LAYOUT, new, out).ok == [True] * 8
+    assert np.array_equal(out, expected_values(SPEC, new))
+    assert tier.fetch(FP, LAYOUT, old, out).ok == [False] * 8
+    assert len(lines(caplog, "remote tier is back")) == 1
+
+
+# -- a client whose calls hang (a master that accepts and never answers) ---------------
+
+
+class HangingClient:
+    """A fake Mooncake client: lookups and loads hang for ``hang_s`` (until
+    released), the rest answers at once."""
+
+    def __init__(self, hang_s: float = 3.0, setup_s: float = 0.0, setup_rc: int = 0):
+        self.hang_s = hang_s
+        self.setup_s = setup_s
+        self.setup_rc = setup_rc
+        self.released = threading.Event()
+        self.setups = 0
+        self.exists = 0
+        self.gets = 0
+
+    def setup(self, *args) -> int:
+        self.setups += 1
+        self.released.wait(self.setup_s)
+        return self.setup_rc
+
+    def register_buffer(self, address: int, nbytes: int) -> int:
+        return 0
+
+    def unregister_buffer(self, address: int) -> int:
+        return 0
+
+    def batch_is_exist(self, names):
+        self.exists += 1
+        self.released.wait(self.hang_s)
+        return [1] * len(names)
+
+    def batch_get_into(self, names, ptrs, sizes):
+        self.gets += 1
+        self.released.wait(self.hang_s)
+        return [-704] * len(names)
+
+    def get_size(self, name) -> int:
+        return -704
+
+    def batch_put_from_multi_buffers(self, names, ptrs, sizes):
+        return [0] * len(names)
+
+    def close(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def hanging(tmp_path):
+    """make(client) -> a tier over that fake client; released and closed after."""
+    made: list[tuple[MooncakeTier, HangingClient]] = []
+
+    def make(client: HangingClient) -> MooncakeTier:
+        config = StoreConfig(
+            cache_dir=str(tmp_path / f"fake{len(made)}"),
+            remote_store="mooncake",
+            mooncake_master="127.0.0.1:9",  # never dialled: the client is fake
+        )
+        tier = MooncakeTier(config, client_factory=lambda: client)
+        made.append((tier, client))
+        return tier
+
+    yield make
+    for tier, client in made:
+        client.released.set()
+        tier.close()
+
+
+def test_hanging_lookups_never_block_the_caller(hanging, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    client = HangingClient(hang_s=3.0)
+    tier = hanging(client)
+    assert wait_until(lambda: tier.up, 2.0)
+    keys = make_keys("hang", 4)
+    began = time.monotonic()
+    pending, zeros = [], []  # (seconds since the first probe, call time)
+    while time.monotonic() - began < STALL_S + 0.6:
+        answer, took = timed(tier.lookup, FP, keys, 0.02)
+        at = time.monotonic() - began
+        if answer is None:
+            assert not zeros, f"None again at {at:.2f} s, after a 0"
+            pending.append(took)
+        else:
+            assert answer == 0, answer
+            zeros.append((at, took))
+        time.sleep(0.002)  # a scheduler's steps, not a busy loop
+    assert pending, "the first lookups should not be answered yet"
+    # each waited its 20 ms and no more (the maximum allows for this shared
+    # machine's scheduling; a lookup that waits for the probe takes 3 s)
+    assert min(pending) >= 0.02
+    assert median(pending) < 0.025, f"median {median(pending) * 1e3:.1f} ms"
+    assert max(pending) < 0.06, f"slowest {max(pending) * 1e3:.1f} ms"
+    assert len(pending) * 0.022 < STALL_S + 0.2, "still waiting well after the stall"
+    assert zeros, "the stalled master was never given up on"
+    assert zeros[0][0] >= STALL_S - 0.05
+    waits = [took for _, took in zeros]
+    assert median(waits) < 0.002, "a lookup waited while down"
+    assert max(waits) < 0.02, f"slowest 0 took {max(waits) * 1e3:.1f} ms"
+    assert not tier.up
+    assert tier.breaker.wait_s == 1.0  # one stuck call: one failure
+    assert tier.counters.snapshot().get("remote_failures") == 1
+    assert client.exists == 1  # one probe out, asked for again, not resent
+    assert len(lines(caplog, "remote tier is down")) == 1
+    # another chain while down: 0 at once, nothing sent
+    answer, took = timed(tier.lookup, FP, make_keys("other", 2), 0.02)
+    assert answer == 0
+    assert took < 0.01
+    assert client.exists == 1
+
+
+def test_hanging_load_is_abandoned_at_its_deadline(hanging, caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    client = HangingClient(hang_s=3.0)
+    tier = hanging(client)
+    assert wait_until(lambda: tier.up, 2.0)
+    keys = make_keys("hang-load", 16)
+    out = np.zeros((16, LAYOUT.value_bytes), np.uint8)
+    tier.register(out.ctypes.data, out.nbytes)
+    deadline = 0.25 + out.nbytes / 100e6
+    result, took = timed(tier.fetch, FP, LAYOUT, keys, out)
+    assert result.abandoned
+    assert result.ok == [False] * 16
+    # at its deadline (the margin is for this shared machine; the call hangs 3 s)
+    assert deadline - 0.01 <= took < deadline + 0.25, (took, deadline)
+    assert not tier.up
+    assert tier.counters.snapshot().get("remote_load_errors") == 16
+    assert len(lines(caplog, "remote tier is down")) == 1
+    # the next load and lookup are misses at once, with nothing sent
+    again, took = timed(tier.fetch, FP, LAYOUT, keys, np.zeros_like(out))
+    assert again.ok == [False] * 16
+    assert not again.abandoned
+    assert took < 0.01
+    assert tier.lookup(FP, keys, 0.02) == 0
+    assert client.gets == 1
+
+
+def test_setup_is_retried_at_the_breakers_pace(hanging):
+    """A setup that fails while lookups keep coming is tried again once per
+    breaker wait (1 s, 2 s, ...), not once per lookup."""
+    client = HangingClient(setup_s=0.4, setup_rc=-1)
+    tier = hanging(client)
+    answers = []
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        answer, took = timed(tier.lookup, FP, make_keys("early", 2), 0.02)
+        answers.append(answer)
+        assert took < 0.045
+        time.sleep(0.01)
+    assert set(answers) == {0}
+    assert not tier.up
+    # 0.0 (fails at 0.4, wait 1 s), 1.4 (fails at 1.8, wait 2 s), next at 3.8
+    assert client.setups <= 3, f"{client.setups} setups in 3 s"
+    assert client.setups >= 2
+
+
+# -- no master at setup ----------------------------------------------------------------
+
+
+def test_tier_started_before_its_master_comes_up_by_itself(tmp_path, caplog):
+    """Lookups are 0 at once, the process never stops (Mooncake's setup holds
+    the GIL for the ~4.5 s it takes to fail against no master, so the tier
+    must not call it then), and the tier comes up once the master does."""
+    require_mooncake()
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    rpc_port, metrics_port = free_ports(2)
+    master = MooncakeMaster(tmp_path, rpc_port=rpc_port, metrics_port=metrics_port)
+    times: list[float] = []  # each lookup's own time
+    gaps: list[float] = []  # between one poll and the next: a frozen process
+    answers: list[int | None] = []
+    last = time.monotonic()
+
+    def poll(tag: str) -> int | None:
+        nonlocal last
+        answer, took = timed(tier.lookup, FP, make_keys(tag, 2), 0.02)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+        answers.append(answer)
+        times.append(took)
+        return answer
+
+    tier = MooncakeTier(tier_config(master.address, tmp_path / "node"))
+    try:
+        assert wait_until(lambda: tier.breaker.state != CLOSED, 10.0, step=0.01)
+        opened = time.monotonic()
+        # a second or two of a scheduler's lookups, over a retry or two
+        while time.monotonic() - opened < 1.5:
+            poll("nomaster")
+            time.sleep(0.01)
+        assert not tier.up
+        assert set(answers) == {0}, answers
+        assert max(times) < 0.05, f"slowest lookup {max(times) * 1e3:.1f} ms"
+        assert max(gaps) < 0.5, f"the process stopped for {max(gaps):.1f} s"
+        assert len(lines(caplog, "remote tier is down")) == 1
+        master.start()
+        started = time.monotonic()
+        last = started
+
+        def up() -> bool:
+            return poll("poll") is not None and tier.up
+
+        assert wait_until(up, 20.0, step=0.05), tier.breaker.reason
+        took = time.monotonic() - started
+        assert took < 10.0, f"up {took:.1f} s after its master"
+        assert max(gaps) < 0.5, f"the process stopped for {max(gaps):.1f} s"
+        assert lines(caplog, "remote tier up"), "no line when it came up"
+        assert len(lines(caplog, "remote tier is down")) == 1
+        assert tier.lookup(FP, make_keys("after", 2), 0.5) == 0
+    finally:
+        tier.close()
+        join_closes(3.0)
+        master.stop()
