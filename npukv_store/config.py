@@ -313,6 +313,12 @@ class StoreConfig:
         self._check_choice("mooncake_protocol", ("tcp", "rdma", "ascend"))
         for key in ("mooncake_segment_size", "mooncake_local_buffer"):
             object.__setattr__(self, key, parse_size(getattr(self, key), key=key))
+        if 0 < self.mooncake_segment_size < (16 << 20):
+            # Mooncake's setup refuses it (-600) and the tier would retry forever
+            raise ConfigError(
+                f"mooncake_segment_size: found {self.mooncake_segment_size} bytes, "
+                "expected 0 or >= 16MiB"
+            )
         object.__setattr__(
             self, "remote_promote", _parse_bool(self.remote_promote, "remote_promote")
         )

@@ -564,7 +564,7 @@ def measure_put(
     tier: Any, raw: Any, store: Any, spec: Any, count: int, batch: int, rounds: int,
     raw_buf: np.ndarray,
 ) -> dict[str, Any]:  # fmt: skip
-    from npukv_store.remote.tier import MAX_QUEUED_PUTS
+    from npukv_store.remote.transfers import MAX_QUEUED_PUTS
     from npukv_store.remote.value import ValueLayout
     from npukv_store.store.saver import _fill_checksums, block_pieces
 
@@ -791,7 +791,8 @@ def remote_parts(
     args: argparse.Namespace, work: Path, sizes: dict[str, Any]
 ) -> dict[str, Any]:
     from npukv_store import KVStore
-    from npukv_store.remote.tier import MooncakeTier, mooncake_missing
+    from npukv_store.remote.client import mooncake_missing
+    from npukv_store.remote.tier import MooncakeTier
 
     missing = mooncake_missing()
     if missing:

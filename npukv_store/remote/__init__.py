@@ -2,9 +2,11 @@
 
     value.py    the bytes of one block in the tier (self-describing, verified)
     breaker.py  the circuit breaker that stops asking a dead master
-    tier.py     MooncakeTier: the client, its threads, lookups, puts, loads
+    client.py   return codes, counters, making a client
+    tier.py     MooncakeTier: the client's state, threads, breaker, lookups
+    transfers.py  its puts (from the ring) and loads (verified)
 
-Imports only config, spec and errors of this package (and numpy, xxhash,
+Imports only config, spec, errors and native of this package (and numpy, xxhash,
 mooncake); the connector wires it in (docs/decisions/0055).
 """
 

@@ -29,6 +29,7 @@ class CircuitBreaker:
     wait_s: float = 0.0
     retry_at: float = 0.0
     reason: str = ""
+    closed_at: float = 0.0  # when it last closed (or was made)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -50,13 +51,20 @@ class CircuitBreaker:
             if self.state == CLOSED:
                 return None
             self.state, self.wait_s, self.reason = CLOSED, 0.0, ""
+            self.closed_at = now
             return "remote tier is back: asking it again"
 
-    def failure(self, now: float, reason: str) -> str | None:
+    def failure(
+        self, now: float, reason: str, started: float | None = None
+    ) -> str | None:
         """A call failed (or hung); returns the log line only when this opens
-        the breaker from closed (a failed probe doubles the wait, silently)."""
+        the breaker from closed (a failed probe doubles the wait, silently).
+        A call ``started`` before the breaker last closed tells nothing about
+        the master it found since (a put out when the old one died): ignored."""
         with self._lock:
             was = self.state
+            if was == CLOSED and started is not None and started < self.closed_at:
+                return None
             self.wait_s = (
                 self.first_wait_s
                 if was == CLOSED

@@ -16,6 +16,7 @@ from npukv_store import StoreConfig
 from npukv_store.hashing import namespace_fingerprint
 from npukv_store.remote.breaker import CLOSED
 from npukv_store.remote.tier import STALL_S, MooncakeTier
+from npukv_store.remote.transfers import load_deadline_s
 from npukv_store.remote.value import ValueLayout
 from tests.remote.test_tier import (
     Nodes,
@@ -289,7 +290,7 @@ def test_hanging_load_is_abandoned_at_its_deadline(hanging, caplog):
     keys = make_keys("hang-load", 16)
     out = np.zeros((16, LAYOUT.value_bytes), np.uint8)
     tier.register(out.ctypes.data, out.nbytes)
-    deadline = 0.25 + out.nbytes / 100e6
+    deadline = load_deadline_s(out.nbytes)
     result, took = timed(tier.fetch, FP, LAYOUT, keys, out)
     assert result.abandoned
     assert result.ok == [False] * 16

@@ -27,6 +27,7 @@ import numpy as np
 from npukv_store import KVStore
 from npukv_store.hashing import namespace_fingerprint
 from npukv_store.remote.tier import MooncakeTier
+from npukv_store.remote.transfers import load_deadline_s
 from npukv_store.remote.value import ValueLayout
 from tests.remote.test_tier import (
     attach,
@@ -176,7 +177,7 @@ class Loader:
         for begin in range(0, len(keys), 64):
             part = keys[begin : begin + 64]
             out = self.out[: len(part)]
-            deadline = 0.25 + out.nbytes / 100e6
+            deadline = load_deadline_s(out.nbytes)
             began = time.monotonic()
             result = self.tier.fetch(FP, LAYOUT, part, out)  # never raises
             took = time.monotonic() - began
