@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 
+from npukv_store.connector.host_buffer import HostBuffer
 from npukv_store.connector.remote_loads import RemoteLoads
 from npukv_store.layout import LayerLayout, build_runs
 from npukv_store.store.store import KVStore
 
 logger = logging.getLogger(__name__)
 
-_HOST_ALIGN = 4096
 _UNGATED = 1 << 30  # "the forward has passed every layer"
 
 
@@ -82,30 +82,13 @@ class LoadJob:
         return local + [b for ids in self.remote_block_ids for b in ids]
 
 
-class _HostSlot:
-    """A grow-only, device-registered host buffer that one layer is read into."""
+class _HostSlot(HostBuffer):
+    """A buffer one layer is read into, and what still uses it."""
 
     def __init__(self, backend: Any) -> None:
-        self._backend = backend
-        self._raw = np.empty(0, dtype=np.uint8)
-        self.view = self._raw
-        self._region: Any = None
+        super().__init__(backend)
         self.done: Any = None  # the H2D copy still reading this slot
         self.task: Future[None] | None = None  # the read still filling it
-
-    def ensure(self, nbytes: int) -> np.ndarray:
-        if self.view.size < nbytes:
-            self.close()
-            self._raw = np.empty(nbytes + _HOST_ALIGN, dtype=np.uint8)
-            skip = -self._raw.ctypes.data % _HOST_ALIGN
-            self.view = self._raw[skip : skip + nbytes]
-            self._region = self._backend.register_host(self.view.ctypes.data, nbytes)
-        return self.view[:nbytes]
-
-    def close(self) -> None:
-        if self._region is not None:
-            self._region.close()
-            self._region = None
 
 
 class LayerLoader:

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from npukv_store import native
+from npukv_store.connector.host_buffer import HostBuffer
 from npukv_store.layout import build_runs
 from npukv_store.remote.tier import MooncakeTier
 from npukv_store.remote.value import ValueLayout
@@ -33,37 +34,22 @@ from npukv_store.store.store import KVStore
 
 logger = logging.getLogger(__name__)
 
-_ALIGN = 4096
 
-
-class _Buffer:
-    """A grow-only host buffer registered with the tier and the device."""
+class _Buffer(HostBuffer):
+    """The load buffer: registered with the tier too, and touched when made
+    (page faults inside a get would count against its deadline and the
+    TTFT)."""
 
     def __init__(self, tier: MooncakeTier, backend: Any) -> None:
+        super().__init__(backend)
         self._tier = tier
-        self._backend = backend
-        self._raw = np.empty(0, dtype=np.uint8)
-        self.view = self._raw
-        self._region: Any = None
 
-    def ensure(self, nbytes: int) -> np.ndarray:
-        if self.view.size < nbytes:
-            self.close()
-            self._raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
-            skip = -self._raw.ctypes.data % _ALIGN
-            self.view = self._raw[skip : skip + nbytes]
-            # touched now, not by the first transfer into it: page faults
-            # inside a get count against its deadline (and the TTFT)
-            self.view.fill(0)
-            self._tier.register(self.view.ctypes.data, nbytes)
-            self._region = self._backend.register_host(self.view.ctypes.data, nbytes)
-        return self.view[:nbytes]
+    def _registered(self, view: np.ndarray) -> None:
+        view.fill(0)
+        self._tier.register(view.ctypes.data, view.nbytes)
 
-    def close(self) -> None:
-        if self._region is not None:
-            self._tier.unregister(self.view.ctypes.data)
-            self._region.close()
-            self._region = None
+    def _unregistering(self, view: np.ndarray) -> None:
+        self._tier.unregister(view.ctypes.data)
 
 
 class RemoteLoads:

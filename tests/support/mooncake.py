@@ -25,6 +25,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import pytest
 
@@ -183,7 +184,58 @@ def _die_with_parent() -> None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-class MooncakeMaster:
+_P = TypeVar("_P", bound="_ChildProcess")
+
+
+class _ChildProcess:
+    """What a Mooncake process of a test has: its Popen, its log, stop() by
+    SIGKILL, and the context-manager form (start() on entry)."""
+
+    log_path: Path
+    _proc: subprocess.Popen[bytes] | None = None
+
+    def start(self: _P, timeout: float = 10.0) -> _P:
+        raise NotImplementedError
+
+    @property
+    def pid(self) -> int | None:
+        """The PID of the running process; None when none runs."""
+        return self._proc.pid if self.running and self._proc else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGKILL the process and reap it; a no-op when none runs."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as error:
+            return f"(no log: {error})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self: _P) -> _P:
+        return self if self.running else self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class MooncakeMaster(_ChildProcess):
     """One mooncake_master process on 127.0.0.1, logging to log_dir.
 
     The two ports are picked once, here, and kept across restart() so that
@@ -230,15 +282,6 @@ class MooncakeMaster:
     def address(self) -> str:
         """The master's RPC address, as MooncakeDistributedStore.setup() takes it."""
         return f"{HOST}:{self.rpc_port}"
-
-    @property
-    def pid(self) -> int | None:
-        """The PID of the running process; None when none runs."""
-        return self._proc.pid if self.running and self._proc else None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     def healthy(self) -> bool:
         """Whether GET /health answers 200 within 1 s."""
@@ -358,17 +401,10 @@ class MooncakeMaster:
         self.stop()
         return f"no healthy answer within {timeout:g} s", False
 
-    def stop(self) -> None:
-        """SIGKILL the process and reap it; a no-op when none runs."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    # reads better in a fault test: master.kill()
 
-    kill = stop  # reads better in a fault test: master.kill()
+    def kill(self) -> None:  # reads better in a fault test: master.kill()
+        self.stop()
 
     def restart(self, timeout: float = START_TIMEOUT) -> MooncakeMaster:
         """stop(), then start() on the same ports. The new master is empty:
@@ -376,30 +412,12 @@ class MooncakeMaster:
         self.stop()
         return self.start(timeout)
 
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError as error:
-            return f"(no log: {error})"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def __enter__(self) -> MooncakeMaster:
-        return self if self.running else self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         state = f"pid {self.pid}" if self.running else "stopped"
         return f"MooncakeMaster({self.address}, metrics {self.metrics_port}, {state})"
 
 
-class MooncakePool:
+class MooncakePool(_ChildProcess):
     """One mooncake_client process contributing ``segment_size`` bytes to
     ``master``'s pool, logging to log_dir: values put by clients that
     contribute nothing themselves (``mooncake_segment_size: 0``) live here and
@@ -434,14 +452,6 @@ class MooncakePool:
             f"-port={self.port}",
             "-protocol=tcp",
         ]
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self.running and self._proc else None
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
 
     def start(self, timeout: float = START_TIMEOUT) -> MooncakePool:
         """Launch the client and wait until the master counts its segment;
@@ -492,35 +502,6 @@ class MooncakePool:
             f"segment within {timeout:g} s\n"
             f"--- {self.log_path} (tail)\n{self.log_tail()}"
         )
-
-    def stop(self) -> None:
-        """SIGKILL the process and reap it (its values vanish); a no-op when
-        none runs."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError as error:
-            return f"(no log: {error})"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def __enter__(self) -> MooncakePool:
-        return self if self.running else self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         state = f"pid {self.pid}" if self.running else "stopped"
