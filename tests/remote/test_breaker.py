@@ -169,3 +169,16 @@ def test_one_line_per_outage_however_many_calls():
         (False, True),
     ] * 3
     assert breaker.state == CLOSED
+
+
+def test_a_failure_from_before_the_tier_came_back_is_ignored():
+    """A put that was out when the old master died, and fails only after the
+    breaker closed again, says nothing about the new master."""
+    breaker = CircuitBreaker(first_wait_s=1.0, max_wait_s=30.0)
+    assert breaker.failure(10.0, "down") is not None
+    assert breaker.allow(11.5)
+    assert breaker.success(11.6) is not None
+    assert breaker.failure(11.7, "stale -900", started=9.0) is None
+    assert breaker.state == CLOSED
+    assert breaker.failure(11.8, "fresh -900", started=11.65) is not None
+    assert breaker.state == OPEN

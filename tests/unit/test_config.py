@@ -80,3 +80,19 @@ def test_every_design_key_exists():
         "save_decode", "namespace_extra",
     }  # fmt: skip
     assert design <= set(StoreConfig.keys())
+
+
+def test_mooncake_segment_is_none_or_at_least_16mib():
+    for size in (0, "16MiB", "1GiB"):
+        StoreConfig(cache_dir="/x", mooncake_segment_size=size)
+    with pytest.raises(ConfigError, match="found 8388608 bytes, expected 0 or >="):
+        StoreConfig(cache_dir="/x", mooncake_segment_size="8MiB")
+
+
+def test_remote_store_mooncake_needs_a_master_address():
+    with pytest.raises(ConfigError, match="mooncake_master: found ''"):
+        StoreConfig(cache_dir="/x", remote_store="mooncake")
+    cfg = StoreConfig(
+        cache_dir="/x", remote_store="Mooncake", mooncake_master=" 10.0.0.5:50051 "
+    )
+    assert (cfg.remote_store, cfg.mooncake_master) == ("mooncake", "10.0.0.5:50051")
