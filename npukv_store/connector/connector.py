@@ -7,7 +7,9 @@ one object per role and process. Loaded with
 This class only adapts vLLM's calls to :class:`SchedulerSide` and
 :class:`WorkerSide` and keeps every fault inside: a failing hook logs and
 degrades to "miss" / "not saved", it never raises into the serving process.
-Configuration errors are the exception: they stop start-up with one message.
+Start-up too: an unsupported vLLM (connector/vllm_api.py), a bad configuration
+or any fault while a side starts turns the connector off with one error line,
+and vLLM serves without it (docs/decisions/0056-vllm-versions.md).
 """
 
 from __future__ import annotations
@@ -19,16 +21,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 
 from npukv_store.config import StoreConfig
+from npukv_store.connector import vllm_api
 from npukv_store.connector.metadata import NPUKVMetadata, NPUKVWorkerMetadata
 from npukv_store.connector.prometheus import NPUKVPromMetrics
 from npukv_store.connector.scheduler import SchedulerSide
 from npukv_store.connector.stats import NPUKVStats
+from npukv_store.connector.vllm_api import TransferResults
 from npukv_store.connector.worker import WorkerSide
+from npukv_store.errors import NpuKVError
 
 logger = logging.getLogger(__name__)
 
@@ -60,24 +64,28 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         _log_where_vllm_logs()
-        transfer = vllm_config.kv_transfer_config
-        self.settings = StoreConfig.from_extra_config(
-            dict(transfer.kv_connector_extra_config or {})
-        )
+        self.settings: StoreConfig | None = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            if transfer.kv_load_failure_policy != "recompute":
-                # A cache must never fail a request: a block that cannot be
-                # loaded is recomputed. The scheduler reads this after us.
-                logger.info(
-                    "npukv_store: kv_load_failure_policy %r -> 'recompute'",
-                    transfer.kv_load_failure_policy,
+        try:
+            reason = vllm_api.unsupported()
+            if reason:
+                _turn_off(role, reason)
+                return
+            transfer = vllm_config.kv_transfer_config
+            self.settings = StoreConfig.from_extra_config(
+                dict(transfer.kv_connector_extra_config or {})
+            )
+            if role == KVConnectorRole.SCHEDULER:
+                _recompute_failed_loads(transfer)
+                self._scheduler = SchedulerSide(
+                    vllm_config, kv_cache_config, self.settings
                 )
-                transfer.kv_load_failure_policy = "recompute"
-            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, self.settings)
-        else:
-            self._worker = WorkerSide(vllm_config, kv_cache_config, self.settings)
+            else:
+                self._worker = WorkerSide(vllm_config, kv_cache_config, self.settings)
+        except Exception as exc:  # never into vLLM: it serves without us
+            self._scheduler = self._worker = None
+            _turn_off(role, _startup_failure(exc))
 
     # -- properties vLLM asks ---------------------------------------------------------
 
@@ -112,8 +120,8 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        assert self._worker is not None
-        self._worker.register(kv_caches)
+        if self._worker is not None:
+            self._worker.register(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -148,11 +156,11 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
-    def get_transfer_results(
-        self, finished_req_ids: set[str]
-    ) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32+ calls this; older ones call get_finished, which cannot
+        report failed loads (the scheduler makes none there: vllm_api)."""
         if self._worker is None:
-            return KVConnectorTransferResults()
+            return TransferResults()
         try:
             sending, recving, failed = self._worker.transfer_results()
         except Exception:
@@ -160,7 +168,7 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             sending = self._worker.held_requests()
             failed = self._worker.abandon_loads()  # vLLM must not wait for ever
             recving = set(failed)
-        return KVConnectorTransferResults(
+        return TransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
@@ -196,7 +204,8 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return 0, False
         tokens = self._scheduler.match(request, num_computed_tokens)
         if tokens is None:  # vLLM asks again in the next step
             return None, False
@@ -205,7 +214,8 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
     ) -> None:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return
         try:
             block_ids = blocks.get_block_ids()
             self._scheduler.allocated(request, block_ids, num_external_tokens)
@@ -215,9 +225,11 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self._scheduler.fail_load(request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._scheduler is not None
-        self._scheduler.kv_cache_manager = self._kv_cache_manager
+        if self._scheduler is None:
+            return NPUKVMetadata()
         try:
+            if self._scheduler.block_ids is None:  # vLLM binds its manager late
+                self._scheduler.block_ids = vllm_api.block_ids_source(self)
             return self._scheduler.build_meta(scheduler_output)
         except Exception:
             logger.exception("npukv_store: build_connector_meta failed")
@@ -240,7 +252,8 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return False, None
         try:
             return self._scheduler.finished(request), None
         except Exception:
@@ -252,6 +265,42 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         """HMA's request_finished: the same, whatever the groups' blocks."""
         return self.request_finished(request, block_ids[0] if block_ids else [])
+
+
+_reported_off: set[str] = set()
+
+
+def _turn_off(role: Any, reason: str) -> None:
+    """The one error line of a connector that will not run in this process
+    (both roles share a process where vLLM runs the engine in-process)."""
+    if reason in _reported_off:
+        return
+    _reported_off.add(reason)
+    side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+    logger.error(
+        "npukv_store: the connector is off (%s), vLLM serves without it: %s",
+        side, reason,
+    )  # fmt: skip
+
+
+def _startup_failure(exc: BaseException) -> str:
+    """A configuration error says what was found and expected itself; any
+    other fault is named with its type, and its traceback goes to DEBUG."""
+    if isinstance(exc, NpuKVError):
+        return str(exc)
+    logger.debug("npukv_store: start-up failed", exc_info=exc)
+    return f"start-up failed: {exc!r} (vLLM {vllm_api.VLLM_VERSION})"
+
+
+def _recompute_failed_loads(transfer: Any) -> None:
+    """A cache must never fail a request: a block that cannot be loaded is
+    recomputed. The scheduler reads this after the connector is built."""
+    if transfer.kv_load_failure_policy != "recompute":
+        logger.info(
+            "npukv_store: kv_load_failure_policy %r -> 'recompute'",
+            transfer.kv_load_failure_policy,
+        )
+        transfer.kv_load_failure_policy = "recompute"
 
 
 def _guard(fn: Any, hook: str, *args: Any) -> None:

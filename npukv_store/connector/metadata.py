@@ -10,12 +10,11 @@ small bytes objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from npukv_store.connector.vllm_api import WorkerMetadataBase
 from npukv_store.hashing import KEY_BYTES
 
 
@@ -76,13 +75,17 @@ class NPUKVMetadata(KVConnectorMetadata):
     #: tokens the step computes (vLLM's total_num_scheduled_tokens): with the
     #: step's compute time, what the load policy prices recompute by
     num_scheduled_tokens: int = 0
+    #: the most tokens any one request computes in the step (its query
+    #: length); 0 when not known. vllm-ascend's MLA skips wait_for_layer_load
+    #: when every request is within the decode threshold (ascend_rules)
+    max_request_tokens: int = 0
 
     def is_empty(self) -> bool:
         return not (self.loads or self.saves or self.held_req_ids or self.failed_loads)
 
 
 @dataclass
-class NPUKVWorkerMetadata(KVConnectorWorkerMetadata):
+class NPUKVWorkerMetadata(WorkerMetadataBase):  # type: ignore[misc]
     """Worker -> scheduler, each step: whether any worker turned itself off (a
     layout it cannot copy), so the scheduler stops promising hits; and the
     costs measured since the last step, for the load policy."""
@@ -93,7 +96,7 @@ class NPUKVWorkerMetadata(KVConnectorWorkerMetadata):
     #: per step that loaded nothing: (compute seconds, tokens computed)
     step_samples: list[tuple[float, int]] = field(default_factory=list)
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> NPUKVWorkerMetadata:
+    def aggregate(self, other: Any) -> NPUKVWorkerMetadata:
         reason = getattr(other, "disabled_reason", "")
         return NPUKVWorkerMetadata(
             self.disabled_reason or reason,

@@ -25,6 +25,7 @@ from typing import Any
 
 from npukv_store.config import StoreConfig
 from npukv_store.connector.groups import KVGroup, classify
+from npukv_store.connector.vllm_api import kv_cache_layout
 from npukv_store.errors import UnsupportedSetup
 from npukv_store.spec import LayerSpec, NamespaceSpec, PartSpec
 
@@ -66,6 +67,7 @@ def engine_namespaces(
             f"pipeline_parallel_size: found {parallel.pipeline_parallel_size}, "
             "expected 1 (npukv_store serves single-stage engines)"
         )
+    _refuse_context_parallel(parallel)
     raw_groups = list(kv_cache_config.kv_cache_groups)
     if not raw_groups or not any(g.layer_names for g in raw_groups):
         raise UnsupportedSetup("KV cache layers: found none, expected attention layers")
@@ -120,6 +122,21 @@ def engine_namespaces(
     return EngineKV(tuple(groups), specs, block_size)
 
 
+def _refuse_context_parallel(parallel: Any) -> None:
+    """Context parallelism spreads each vLLM block over the ranks (a block
+    holds block_size x dcp x pcp tokens, each rank its own slice, MLA's latent
+    cache included): keyed as one rank's block_size tokens it would be wrong
+    KV, so such an engine is refused on every vLLM version."""
+    dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    if dcp * pcp > 1:
+        raise UnsupportedSetup(
+            f"context parallelism: found decode_context_parallel_size={dcp}, "
+            f"prefill_context_parallel_size={pcp}, expected 1 and 1 (a block "
+            "is split over the ranks, which npukv_store does not key)"
+        )
+
+
 def model_order(layer_name: str) -> int:
     """Sort key: the layer's index in the model (the forward's order), the
     first integer part of its name as in vLLM's extract_layer_index (not
@@ -141,8 +158,9 @@ def _describe_group(index: int, raw: Any) -> tuple[KVGroup, dict[str, int]]:
     kv_spec = raw.kv_cache_spec
     names = tuple(raw.layer_names)
     first = _first_spec(kv_spec)
-    kind = classify(type(first).__name__, index, names)
     per_layer = getattr(kv_spec, "kv_cache_specs", None)
+    layer_specs = [per_layer[name] for name in names] if per_layer else [kv_spec]
+    kind = classify(type(first).__name__, index, names, layer_specs)
     page_bytes = {
         name: int((per_layer[name] if per_layer else kv_spec).page_size_bytes)
         for name in names
@@ -161,7 +179,7 @@ def _base_extra(vllm_config: Any, kv_cache_config: Any, settings: StoreConfig) -
     import vllm
     from vllm.platforms import current_platform
 
-    layout = kv_cache_config.kv_cache_layout or ""
+    layout = kv_cache_layout(kv_cache_config)
     vllm_minor = ".".join(vllm.__version__.split(".")[:2])
     return (
         f"platform={current_platform.device_type};layout={layout};"

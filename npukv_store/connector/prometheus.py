@@ -29,7 +29,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
 )
-from vllm.v1.metrics.utils import create_metric_per_engine
+
+from npukv_store.connector.vllm_api import create_metric_per_engine
 
 #: stats key -> what the counter counts (its name is vllm:npukv_<key>_total)
 COUNTED = {

@@ -41,6 +41,13 @@ from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata, pack_ke
 from npukv_store.connector.namespace import EngineKV, engine_namespaces
 from npukv_store.connector.remote_lookup import RemoteLookup
 from npukv_store.connector.stats import SCHEDULER_COUNTERS, NPUKVStats, remote_deltas
+from npukv_store.connector.vllm_api import (
+    REPORTS_FAILED_LOADS,
+    VLLM_VERSION,
+    BlockIdTracker,
+    ManagerBlockIds,
+    lora_identity,
+)
 from npukv_store.errors import UnsupportedSetup
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
 from npukv_store.remote.tier import MooncakeTier, open_tier, release_tier
@@ -78,7 +85,9 @@ class SchedulerSide:
         self.stats = NPUKVStats()
         self.policy = LoadPolicy(settings.load_policy, settings.load_margin)
         self.disabled_reason = ""
-        self.kv_cache_manager: Any = None
+        #: where a request's block ids are read (vllm_api.block_ids_source),
+        #: set by the connector at the first step
+        self.block_ids: ManagerBlockIds | BlockIdTracker | None = None
         self._requests: dict[str, _RequestState] = {}
         self._loads: dict[str, list[BlockTransfer]] = {}
         self._failed_loads: list[str] = []
@@ -124,7 +133,21 @@ class SchedulerSide:
         """vLLM turns prefix caching off where its attention backend cannot
         continue a prefill from reused KV exactly (the CPU platform does it for
         MLA: its prefill and decode paths disagree). A load would then change
-        the output, so none is made, unless the user says the backend can."""
+        the output, so none is made, unless the user says the backend can.
+
+        A model of several KV cache groups loads asynchronously, and a failed
+        load must be reported per request (failed_recving): vLLM < 0.32 has no
+        such report and would take the unloaded blocks as loaded, or crash on
+        invalid blocks of several groups. There it only saves."""
+        assert self.engine is not None
+        if self.engine.hybrid and not REPORTS_FAILED_LOADS:
+            logger.warning(
+                "npukv_store: loads are off, saves go on: this model has %d KV "
+                "cache groups, and vLLM %s cannot take a failed load of several "
+                "groups back per request (failed_recving, vLLM 0.32+)",
+                len(self.engine.groups), VLLM_VERSION,
+            )  # fmt: skip
+            return False
         if vllm_config.cache_config.enable_prefix_caching:
             return True
         if self.settings.load_without_prefix_caching:
@@ -181,13 +204,17 @@ class SchedulerSide:
             return [b""] * (stop - start)
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
+        # The adapter by name and path on every vLLM (< 0.32 hashes the name
+        # only): the store outlives an adapter re-pointed under its name.
+        lora = lora_identity(request.lora_request) if request.lora_request else ""
         bs = self.block_size
         while len(state.extras) < stop:
             index = len(state.extras)
             extra, state.next_mm_index = generate_block_hash_extra_keys(
                 request, index * bs, (index + 1) * bs, state.next_mm_index
             )
-            state.extras.append(b"" if extra is None else repr(extra).encode())
+            key = "" if extra is None else repr(extra)
+            state.extras.append(f"{lora}{key}".encode())
         return state.extras[start:stop]
 
     def _hit(self, state: _RequestState, local: int, max_blocks: int) -> int | None:
@@ -358,9 +385,12 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: Any) -> NPUKVMetadata:
         if self.remote is not None:
             self.remote.new_step()
+        if self.block_ids is not None:
+            self.block_ids.update(scheduler_output)
         meta = NPUKVMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         meta.num_scheduled_tokens = sum(scheduled.values())
+        meta.max_request_tokens = max(scheduled.values(), default=0)
         loads, self._loads = self._loads, {}
         for rid, transfers in loads.items():
             # an asynchronous load runs in a step that does not schedule its
@@ -407,7 +437,8 @@ class SchedulerSide:
         """One save per KV cache group of blocks ``[start, stop)``."""
         assert self.engine is not None
         request = state.request
-        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        assert self.block_ids is not None
+        block_ids = self.block_ids.get_block_ids(request.request_id)
         keys = self._keys(state, stop)
         prompt = request.num_prompt_tokens
         ends = {prompt // self.block_size, (prompt - 1) // self.block_size}
@@ -436,6 +467,8 @@ class SchedulerSide:
         workers report it (its saves' device copies may still be running)."""
         state = self._requests.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        if self.block_ids is not None:
+            self.block_ids.forget(request.request_id)
         if self.remote is not None:
             self.remote.forget(request.request_id)
         if state is None:

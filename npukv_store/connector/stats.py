@@ -104,6 +104,11 @@ class NPUKVStats(KVConnectorStats):
         changed = any(key in self.data for key in (*GAUGES, *PEAKS))
         return not changed and not any(self.data.get(key) for key in COUNTERS)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The payload vLLM hands its stat loggers: 0.32+ asks for it here,
+        0.23 reads ``data`` itself (connector/vllm_api.py)."""
+        return self.data
+
     def copy(self) -> NPUKVStats:
         return NPUKVStats(dict(self.data))
 

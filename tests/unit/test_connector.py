@@ -16,10 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="the connector needs vLLM (pip install .[vllm])")
 
-from npukv_store import ConfigError  # noqa: E402
 from npukv_store.connector.connector import NPUKVStoreConnector  # noqa: E402
 from npukv_store.connector.metadata import NPUKVMetadata  # noqa: E402
 from npukv_store.connector.scheduler import SchedulerSide  # noqa: E402
+from npukv_store.connector.vllm_api import ManagerBlockIds  # noqa: E402
 from npukv_store.connector.worker import WorkerSide  # noqa: E402
 from tests.support.connector import (  # noqa: E402
     BLOCK,
@@ -75,7 +75,9 @@ def test_never_claims_the_last_token_and_salt_changes_keys(tmp_path):
 
 def test_plans_prompt_saves_once_and_holds_finished_requests(tmp_path):
     side = SchedulerSide(*engine_config(), settings(tmp_path))
-    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([7, 3, 9, 4],))
+    side.block_ids = ManagerBlockIds(
+        SimpleNamespace(get_block_ids=lambda rid: ([7, 3, 9, 4],))
+    )
     request = make_request("r", list(range(3 * BLOCK + 5)))
     assert side.match(request, 0) == 0
     side.allocated(request, ([7, 3, 9, 4],), 0)
@@ -270,19 +272,32 @@ def test_auto_switches_to_layerwise_after_seeing_every_hook(tmp_path, kind):
     worker.close()
 
 
-def test_bad_config_stops_startup_with_one_clear_error(tmp_path):
+def test_bad_config_turns_the_connector_off_with_one_clear_error(tmp_path, caplog):
+    """A bad key or value never raises into vLLM's start-up: both roles are
+    off, with one error line naming the key, what was found and expected."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     vllm_config, kv_cache_config = engine_config(
         extra={"cache_dir": str(tmp_path), "capacity": "lots", "layerwise": "on"}
     )
-    with pytest.raises(ConfigError, match="capacity"):
-        NPUKVStoreConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
-    vllm_config.kv_transfer_config.kv_connector_extra_config = {
-        "cache_dir": str(tmp_path), "prefetch": 2,
-    }  # fmt: skip
-    with pytest.raises(ConfigError, match="unknown config key"):
-        NPUKVStoreConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    for role, extra, fragment in (
+        (KVConnectorRole.SCHEDULER, None, "capacity: found 'lots'"),
+        (KVConnectorRole.WORKER, {"cache_dir": str(tmp_path), "prefetch": 2},
+         "unknown config key"),
+    ):  # fmt: skip
+        if extra is not None:
+            vllm_config.kv_transfer_config.kv_connector_extra_config = extra
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="npukv_store"):
+            connector = NPUKVStoreConnector(vllm_config, role, kv_cache_config)
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1, caplog.text
+        assert "the connector is off" in errors[0].getMessage()
+        assert fragment in errors[0].getMessage()
+        assert "expected" in errors[0].getMessage()
+        assert connector._scheduler is None
+        assert connector._worker is None
+        connector.shutdown()
 
 
 def test_scheduler_turns_load_failures_into_recompute(tmp_path):
@@ -346,7 +361,9 @@ def test_corrupt_row_read_into_the_pages_is_a_load_error(tmp_path):
 
 def test_save_decode_plans_generated_blocks_as_they_fill(tmp_path):
     side = SchedulerSide(*engine_config(), settings(tmp_path, save_decode=True))
-    side.kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([5, 6, 7],))
+    side.block_ids = ManagerBlockIds(
+        SimpleNamespace(get_block_ids=lambda rid: ([5, 6, 7],))
+    )
     request = make_request("r", list(range(2 * BLOCK - 1)))
     side.match(request, 0)
     side.allocated(request, ([5, 6],), 0)

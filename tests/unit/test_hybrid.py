@@ -1,6 +1,11 @@
 """Hybrid models (vLLM's hybrid KV cache manager on): a sliding-window group
 and a full-attention group, each its own namespace, through both halves of
-the connector without an engine (the real-vLLM runs are tests/e2e)."""
+the connector without an engine (the real-vLLM runs are tests/e2e).
+
+The hits and loads here are those of vLLM 0.32+, which takes a failed load
+of several groups back per request: on vLLM 0.23 the scheduler only saves
+(tests/unit/test_vllm_api.py), so these tests force the 0.32 path there.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from npukv_store import KVStore  # noqa: E402
 from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata  # noqa: E402
 from npukv_store.connector.namespace import engine_namespaces  # noqa: E402
 from npukv_store.connector.scheduler import SchedulerSide  # noqa: E402
+from npukv_store.connector.vllm_api import ManagerBlockIds  # noqa: E402
 from npukv_store.connector.worker import WorkerSide  # noqa: E402
 from npukv_store.hashing import namespace_fingerprint  # noqa: E402
 from tests.support.connector import (  # noqa: E402
@@ -37,6 +43,15 @@ from tests.support.connector import (  # noqa: E402
 )
 
 LAYERS4 = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+@pytest.fixture(autouse=True)
+def _vllm_takes_failed_loads_back(monkeypatch):
+    from npukv_store.connector import scheduler
+
+    monkeypatch.setattr(scheduler, "REPORTS_FAILED_LOADS", True)
+
+
 WINDOW = 2 * BLOCK  # a hit at block e needs blocks e-2, e-1 of the window group
 
 
@@ -164,8 +179,8 @@ def test_saves_per_group_skip_null_blocks_and_keep_tails(tmp_path, policy):
     request = make_request("r", list(range(6 * BLOCK + 5)))  # 6 full blocks
     sliding_ids = [40, 41, 42, 43, 44, 45, 46]
     full_ids = [50, 51, 52, 53, 54, 55, 56]
-    side.kv_cache_manager = SimpleNamespace(
-        get_block_ids=lambda rid: (sliding_ids, full_ids)
+    side.block_ids = ManagerBlockIds(
+        SimpleNamespace(get_block_ids=lambda rid: (sliding_ids, full_ids))
     )
     side.match(request, 0)
     side.allocated(request, (sliding_ids, full_ids), 0)

@@ -1,0 +1,192 @@
+"""Every difference between the vLLM versions the connector runs on, in one place.
+
+Runs in: every process that imports the connector (EngineCore, each Worker, the
+API server's stats logger). Chosen once, at import, from what the installed
+vLLM has (feature tests; the version string only bounds the tested range). The
+rest of the connector calls these names and never asks which vLLM it runs on.
+
+Supported: vLLM 0.23 (vllm-ascend 0.23.0.post1) to 0.33. The differences
+(docs/vllm.md §2 has them with file and line):
+
+    TransferResults        vLLM's KVConnectorTransferResults (0.32+), else a
+                           twin: vLLM < 0.32 only calls get_finished
+    REPORTS_FAILED_LOADS   vLLM takes a failed asynchronous load back per
+                           request (failed_recving, 0.32+); without it a model
+                           of several KV cache groups does not load (saves go on)
+    kv_cache_layout()      KVCacheConfig.kv_cache_layout (0.32+), else ""
+    block_ids_source()     the scheduler's block ids: vLLM's KV cache manager
+                           (bound to connectors from 0.32), else tracked from
+                           each step's SchedulerOutput (BlockIdTracker)
+    lora_identity()        the adapter's name and path: vLLM < 0.32 hashes the
+                           name only, and the store outlives an adapter re-pointed
+                           under the same name
+    unsupported()          "" or one line: this vLLM's version and what it lacks
+    (stats)                the stats payload is ``data`` on 0.23 and
+                           ``to_dict()`` on 0.32+: NPUKVStats has both, the same
+                           dict; on 0.23 the scheduler's stats reach the loggers
+                           only on steps where a worker sent stats too
+                           (docs/metrics.md)
+    WorkerMetadataBase, create_metric_per_engine: absent before 0.18 / 0.23;
+                           stand-ins keep the import working there, and
+                           unsupported() turns the connector off
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
+
+__all__ = [
+    "NEWEST",
+    "OLDEST",
+    "REPORTS_FAILED_LOADS",
+    "VLLM_VERSION",
+    "BlockIdTracker",
+    "ManagerBlockIds",
+    "TransferResults",
+    "WorkerMetadataBase",
+    "block_ids_source",
+    "create_metric_per_engine",
+    "kv_cache_layout",
+    "lora_identity",
+    "unsupported",
+]
+
+#: the vLLM minor versions this connector is tested on (README's version table)
+OLDEST, NEWEST = (0, 23), (0, 33)
+VLLM_VERSION = str(getattr(vllm, "__version__", "unknown"))
+
+_missing: list[str] = []
+
+if hasattr(_base, "KVConnectorTransferResults"):
+    TransferResults: Any = _base.KVConnectorTransferResults
+    REPORTS_FAILED_LOADS = True
+else:
+
+    @dataclass
+    class _TransferResults:
+        """vLLM < 0.32: what get_finished returns, and the failed loads vLLM
+        cannot take back (the connector never makes one there, see
+        REPORTS_FAILED_LOADS)."""
+
+        finished_sending: set[str] = field(default_factory=set)
+        finished_recving: set[str] = field(default_factory=set)
+        failed_recving: set[str] = field(default_factory=set)
+
+    TransferResults = _TransferResults
+    REPORTS_FAILED_LOADS = False
+
+if hasattr(_base, "KVConnectorWorkerMetadata"):
+    WorkerMetadataBase: Any = _base.KVConnectorWorkerMetadata
+else:  # vLLM < 0.18: out of range; the import must still work to say so
+    _missing.append("KVConnectorWorkerMetadata (vLLM 0.18+)")
+    WorkerMetadataBase = object
+
+create_metric_per_engine: Any
+try:
+    from vllm.v1.metrics.utils import create_metric_per_engine
+except ImportError:  # vLLM < 0.23 has make_per_engine only
+    _missing.append("vllm.v1.metrics.utils.create_metric_per_engine (vLLM 0.23+)")
+    create_metric_per_engine = None
+
+if not hasattr(_base, "SupportsHMA"):
+    _missing.append("SupportsHMA")
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def unsupported(version: str = VLLM_VERSION) -> str:
+    """Why the connector cannot run on this vLLM, in one line; "" when it can.
+
+    A version outside 0.23-0.33 is refused even where the features are there:
+    its hooks may be called in another order, and a cache that may serve wrong
+    KV must not guess. A version string that names no release (a source build)
+    is judged by its features alone.
+    """
+    minor = _minor(version)
+    where = f"vLLM {version}"
+    if minor is not None and not OLDEST <= minor <= NEWEST:
+        span = f"{OLDEST[0]}.{OLDEST[1]} to {NEWEST[0]}.{NEWEST[1]}"
+        lacks = f"; it lacks {', '.join(_missing)}" if _missing else ""
+        return f"{where} is outside the tested range {span}{lacks}"
+    if _missing:
+        return f"{where} lacks {', '.join(_missing)}"
+    return ""
+
+
+def kv_cache_layout(kv_cache_config: Any) -> str:
+    """The engine's KV cache layout name, "" where vLLM has none (< 0.32:
+    each backend's own shape, which layout.describe_layer reads from strides)."""
+    return str(getattr(kv_cache_config, "kv_cache_layout", None) or "")
+
+
+def lora_identity(lora_request: Any) -> str:
+    """What names an adapter's weights: its name and its path."""
+    name = getattr(lora_request, "lora_name", None) or getattr(lora_request, "name", "")
+    path = getattr(lora_request, "lora_path", None) or getattr(lora_request, "path", "")
+    return f"lora={name!r}@{path!r}"
+
+
+class BlockIdTracker:
+    """vLLM < 0.32: each scheduled request's block ids, rebuilt from the step's
+    SchedulerOutput as the model runner rebuilds them (a new request's
+    ``block_ids``; a running one's ``new_block_ids`` appended, a resumed one's
+    replacing them). Runs in: the scheduler's thread."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, list[list[int]]] = {}
+
+    def update(self, scheduler_output: Any) -> None:
+        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            self._ids.pop(req_id, None)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", ()) or ():
+            self._ids.pop(req_id, None)  # its blocks are freed
+        for new in scheduler_output.scheduled_new_reqs:
+            self._ids[new.req_id] = [list(group) for group in new.block_ids]
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for req_id, more in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if more is None:
+                continue
+            have = self._ids.get(req_id)
+            if have is None or req_id in resumed:
+                self._ids[req_id] = [list(group) for group in more]
+            else:
+                for group, ids in zip(have, more, strict=True):
+                    group += ids
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return tuple(self._ids[req_id])
+
+    def forget(self, req_id: str) -> None:
+        self._ids.pop(req_id, None)
+
+
+class ManagerBlockIds:
+    """vLLM 0.32+: the block ids from vLLM's own KV cache manager."""
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+
+    def update(self, scheduler_output: Any) -> None:
+        """Nothing to track: the manager is the source."""
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return tuple(self.manager.get_block_ids(req_id))
+
+    def forget(self, req_id: str) -> None:
+        """Nothing to forget: the manager frees its own."""
+
+
+def block_ids_source(connector: Any) -> ManagerBlockIds | BlockIdTracker:
+    """Where the scheduler side reads a request's block ids: vLLM's manager
+    where vLLM binds one to the connector (0.32+), else a tracker."""
+    manager = getattr(connector, "_kv_cache_manager", None)
+    return BlockIdTracker() if manager is None else ManagerBlockIds(manager)
