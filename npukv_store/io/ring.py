@@ -38,6 +38,7 @@ import mmap
 import os
 import secrets
 import shutil
+import stat
 import struct
 import threading
 from collections import deque
@@ -58,6 +59,9 @@ _HEADER = struct.Struct("<8sIIQI")  # magic, format, header bytes, size, pid
 _HEAD_TAIL = struct.Struct("<QQ")
 _HEAD_TAIL_OFFSET = 32
 NAME_PREFIX = "npukv-ring-"
+#: How the stale-ring scan opens a file named like a ring: never blocking (a
+#: FIFO), never following a symlink, never leaking the fd into a child.
+_SCAN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(slots=True)
@@ -187,14 +191,30 @@ class StagingRing:
             os.unlink(self.path)
 
 
-def read_ring_header(path: str) -> tuple[int, int]:
+def read_ring_header(path: str, *, owned: bool = False) -> tuple[int, int]:
     """``(size, owner pid)`` of the ring file at ``path``.
 
+    Never blocks and never follows a symlink: ``path`` is opened with
+    O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC (a plain open of a FIFO named like a
+    ring blocks until a writer comes; a symlink could point anywhere), then
+    fstat'ed, and only a regular file (owned by this user, with ``owned``) is
+    read.
+
     Raises:
-        BadMagic: not a ring file. VersionMismatch: another ring format.
+        BadMagic: not a ring file (not a regular file, another user's with
+        ``owned``, or no ring magic). VersionMismatch: another ring format.
+        OSError: cannot be opened (a symlink: ELOOP).
     """
-    with open(path, "rb") as handle:
-        raw = handle.read(_HEADER.size)
+    fd = os.open(path, _SCAN_FLAGS)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadMagic(f"{path}: not a regular file; not an npukv ring")
+        if owned and info.st_uid != os.geteuid():
+            raise BadMagic(f"{path}: owned by uid {info.st_uid}; not our ring")
+        raw = os.pread(fd, _HEADER.size, 0)
+    finally:
+        os.close(fd)
     if len(raw) < _HEADER.size or raw[:8] != RING_MAGIC:
         raise BadMagic(f"{path}: no ring magic {RING_MAGIC!r}; not an npukv ring")
     _, fmt, _, size, pid = _HEADER.unpack(raw)
@@ -204,7 +224,12 @@ def read_ring_header(path: str) -> tuple[int, int]:
 
 
 def stale_rings(directory: str = "/dev/shm") -> list[str]:
-    """Rings in ``directory`` whose owner process is dead."""
+    """Rings in ``directory`` whose owner process is dead.
+
+    Only regular files owned by this user count: anything else named like a
+    ring (a FIFO, a symlink, a device, another user's file) is skipped without
+    blocking and left as it is (see :func:`read_ring_header`).
+    """
     try:
         names = [n for n in os.listdir(directory) if n.startswith(NAME_PREFIX)]
     except FileNotFoundError:
@@ -213,7 +238,7 @@ def stale_rings(directory: str = "/dev/shm") -> list[str]:
     for name in names:
         path = os.path.join(directory, name)
         try:
-            _, pid = read_ring_header(path)
+            _, pid = read_ring_header(path, owned=True)
         except (OSError, BadMagic, VersionMismatch):
             continue  # not ours to judge, or gone already
         if not pid_alive(pid):
@@ -225,6 +250,12 @@ def remove_stale_rings(directory: str = "/dev/shm") -> int:
     """Unlink rings in ``directory`` whose owner is dead; returns how many."""
     removed = 0
     for path in stale_rings(directory):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue  # another cleaner won
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            continue  # replaced since the scan: not ours any more
         with contextlib.suppress(FileNotFoundError):  # another cleaner won
             os.unlink(path)
         removed += 1
