@@ -76,13 +76,14 @@ def test_compaction_while_vllm_serves_keeps_every_output(tmp_path):
         args=ARGS, max_tokens=24,
     )  # fmt: skip
     during = []
-    while proc.poll() is None:
-        if (cache / "NPUKV_STORE").exists():
-            summary = _compact(cache)
-            if proc.poll() is None:  # the run ended while vLLM still ran
-                during.append(summary)
-        time.sleep(0.1)
-    live = runs.finish(tmp_path, "live", proc)
+    with runs.reaping(proc):
+        while proc.poll() is None:
+            if (cache / "NPUKV_STORE").exists():
+                summary = _compact(cache)
+                if proc.poll() is None:  # the run ended while vLLM still ran
+                    during.append(summary)
+            time.sleep(0.1)
+        live = runs.finish(tmp_path, "live", proc)
     expected = [r["tokens"] for r in baseline["results"]]
     assert [r["tokens"] for r in live["results"]] == expected
     rewritten = sum(int(s["rewritten"]) for s in during)  # type: ignore[call-overload]

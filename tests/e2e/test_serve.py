@@ -62,9 +62,9 @@ LOAD_EVERY_HIT = {"load_policy": "always"}
 
 def _boot(*servers: sh.Server) -> None:
     """Start servers side by side (start-up is mostly imports: ~30 s each)."""
-    for server in servers:
-        server.start(wait=False)
     try:
+        for server in servers:
+            server.start(wait=False)
         for server in servers:
             server.wait_ready()
     except BaseException:

@@ -180,8 +180,11 @@ def test_corrupt_chunks_are_recomputed(work, baseline, stored):
 def test_two_vllm_processes_share_one_directory(work, baseline):
     cache = work / "shared"
     first = harness(work, "twin_a", ["p1", "p3", "p2"], cache_dir=cache, wait=False)
-    second = harness(work, "twin_b", ["p3", "p2", "p1"], cache_dir=cache, wait=False)
-    reports = [_finish(work, "twin_a", first), _finish(work, "twin_b", second)]  # type: ignore[arg-type]
+    with runs.reaping(first):
+        second = harness(work, "twin_b", ["p3", "p2", "p1"], cache_dir=cache,
+                         wait=False)  # fmt: skip
+        with runs.reaping(second):
+            reports = [_finish(work, "twin_a", first), _finish(work, "twin_b", second)]  # type: ignore[arg-type]
     for report, names in zip(
         reports, [["p1", "p3", "p2"], ["p3", "p2", "p1"]], strict=False
     ):

@@ -26,6 +26,7 @@ from npukv_store import KVStore
 from tests.faults import helpers
 from tests.faults.helpers import BIG, BLOCKS, SMALL, config, fill, keys_for
 from tests.support import scenarios
+from tests.support.processes import reaping
 
 #: A child's preamble: the store, the specs and the fault suite's helpers.
 PRELUDE = """
@@ -205,12 +206,13 @@ def test_index_lock_file_removed_while_processes_run(fault, tmp_path):
                 PRELUDE + f"root = {cfg.cache_dir!r}\ntag = 'lock{trial}c'\n"
                 f"batches = 6\n" + textwrap.dedent(LOCK_WRITER)
             )
-            mine = []
-            for b in range(6):
-                new = keys_for(f"lock{trial}p:{b}", BLOCKS)
-                if store.put(new, scenarios.make_tensors(BIG, new)).stored:
-                    mine += new
-            out, _ = proc.communicate(timeout=120)
+            with reaping(proc):
+                mine = []
+                for b in range(6):
+                    new = keys_for(f"lock{trial}p:{b}", BLOCKS)
+                    if store.put(new, scenarios.make_tensors(BIG, new)).stored:
+                        mine += new
+                out, _ = proc.communicate(timeout=120)
             fault.process("lock writer", proc.returncode, out)
             lines = [line for line in out.splitlines() if line.startswith("{")]
             theirs = [bytes.fromhex(k) for k in json.loads(lines[-1])["stored"]]
@@ -361,12 +363,13 @@ def test_sigkill_of_a_reader_mid_read(fault, tmp_path, monkeypatch):
             + textwrap.dedent(SLOW_READER), keep_faults=True,
         )  # fmt: skip
         monkeypatch.delenv("NPUKV_FAULTS")
-        assert proc.stdout is not None
-        ready = proc.stdout.readline()
-        assert "ready" in ready, ready + proc.communicate(timeout=30)[0]
-        time.sleep(random.uniform(0.05, 0.4))
-        proc.send_signal(signal.SIGKILL)
-        out, _ = proc.communicate(timeout=30)
+        with reaping(proc):
+            assert proc.stdout is not None
+            ready = proc.stdout.readline()
+            assert "ready" in ready, ready + proc.communicate(timeout=30)[0]
+            time.sleep(random.uniform(0.05, 0.4))
+            proc.send_signal(signal.SIGKILL)
+            out, _ = proc.communicate(timeout=30)
         fault.process("reader", proc.returncode, out, expect_rc=-signal.SIGKILL)
         with KVStore(cfg, BIG) as store:  # reader slots of the dead are freed
             fault.durable(store, durable, f"trial {trial}:")
@@ -409,11 +412,12 @@ def test_two_models_sharing_a_directory_never_cross_hit(fault, tmp_path):
             for m in ("npukv-test/model-a", "npukv-test/model-b")
         ]
         reports = []
-        for proc in procs:
-            out, _ = proc.communicate(timeout=120)
-            fault.process("model", proc.returncode, out)
-            lines = [line for line in out.splitlines() if line.startswith("{")]
-            reports.append(json.loads(lines[-1]) if lines else {})
+        with reaping(*procs):
+            for proc in procs:
+                out, _ = proc.communicate(timeout=120)
+                fault.process("model", proc.returncode, out)
+                lines = [line for line in out.splitlines() if line.startswith("{")]
+                reports.append(json.loads(lines[-1]) if lines else {})
         for report in reports:
             fault.wrong(report.get("wrong", 0), f"trial {trial}: {report}")
         # same tokens, other model: no key of A is a hit for B

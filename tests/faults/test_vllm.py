@@ -85,7 +85,7 @@ def test_vllm_with_a_read_only_cache_dir(fault, work, baseline, stored):
             name = f"read_only{trial}"
             proc = runs.start(work, name, PROMPTS, model=work / "model",
                               cache_dir=cache)  # fmt: skip
-            rc = proc.wait(timeout=600)
+            rc = runs.wait(proc)
         log = (work / f"{name}.log").read_text(errors="replace")
         fault.process(name, rc, log)
         if rc != 0:
@@ -107,7 +107,7 @@ def test_vllm_loads_that_fail_are_recomputed(fault, work, baseline, stored,
         name = f"read_eio{trial}"
         proc = runs.start(work, name, PROMPTS, model=work / "model", cache_dir=cache)
         monkeypatch.delenv(io_faults.ENV)
-        rc = proc.wait(timeout=600)
+        rc = runs.wait(proc)
         log = (work / f"{name}.log").read_text(errors="replace")
         fault.process(name, rc, log)
         if rc != 0:
@@ -131,20 +131,21 @@ def test_vllm_killed_mid_save_then_restarted(fault, work, baseline, monkeypatch)
         monkeypatch.delenv(io_faults.ENV)
         tmp = cache / "tmp"
         deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline:
-            if tmp.is_dir() and any(CHUNK_TMP.match(n.name) for n in tmp.iterdir()):
-                break  # the writer is inside a chunk write
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before its writer started"
-        time.sleep(random.uniform(0.0, 1.5))
-        proc.send_signal(signal.SIGKILL)
-        rc = proc.wait(timeout=60)
+        with runs.reaping(proc):
+            while proc.poll() is None and time.monotonic() < deadline:
+                if tmp.is_dir() and any(CHUNK_TMP.match(n.name) for n in tmp.iterdir()):
+                    break  # the writer is inside a chunk write
+                time.sleep(0.05)
+            assert proc.poll() is None, "the run ended before its writer started"
+            time.sleep(random.uniform(0.0, 1.5))
+            proc.send_signal(signal.SIGKILL)
+            rc = proc.wait(timeout=60)
         log = (work / f"{name}.log").read_text(errors="replace")
         fault.process(name, rc, log, expect_rc=-signal.SIGKILL)
         assert any(CHUNK_TMP.match(n.name) for n in tmp.iterdir()), "no tmp left"
         again = f"restarted{trial}"
         proc = runs.start(work, again, PROMPTS, model=work / "model", cache_dir=cache)
-        rc = proc.wait(timeout=600)
+        rc = runs.wait(proc)
         log = (work / f"{again}.log").read_text(errors="replace")
         fault.process(again, rc, log)
         if rc != 0:
@@ -164,7 +165,7 @@ def test_vllm_with_a_ring_larger_than_dev_shm(fault, work, baseline):
         extra = {"ring_size": too_large}
         proc = runs.start(work, name, PROMPTS, model=work / "model",
                           cache_dir=work / name, extra=extra)  # fmt: skip
-        rc = proc.wait(timeout=600)
+        rc = runs.wait(proc)
         log = (work / f"{name}.log").read_text(errors="replace")
         fault.process(name, rc, log, clean=True)
         if rc != 0:

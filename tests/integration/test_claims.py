@@ -7,6 +7,7 @@ a dead or stuck process must not block a block for good.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -19,6 +20,7 @@ from npukv_store.store import chunk_writer
 from npukv_store.store import store as store_module
 from npukv_store.store.claims import CLAIM_TTL_S, ClaimTable
 from tests.support.blocks import block_tensors, tiny_spec
+from tests.support.processes import reap, reaping
 
 CTX = mp.get_context("spawn")
 
@@ -66,12 +68,13 @@ def test_two_processes_saving_the_same_keys_write_one_chunk(tmp_path, mode):
         CTX.Process(target=_slow_saver, args=(cache, keys, mode, barrier, results))
         for _ in range(2)
     ]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(90)
-        assert proc.exitcode == 0
-    reports = [results.get(timeout=5) for _ in procs]
+    with reaping(*procs):
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(90)
+            assert proc.exitcode == 0
+        reports = [results.get(timeout=5) for _ in procs]
     assert sorted(r[1] for r in reports) == [0, 1], reports  # one chunk written
     with KVStore(StoreConfig(cache_dir=cache), tiny_spec()) as store:
         stats = store.stats()
@@ -90,28 +93,34 @@ def _claim_and_wait(cache_dir, keys, now_ns, ready, done):
     table.close()
 
 
-def _start_claimant(cache_dir, keys, now_ns=None):
+@contextlib.contextmanager
+def _claimant(cache_dir, keys, now_ns=None):
+    """A process that claims ``keys`` and holds them until ``done`` is set
+    (or it is killed); yields (the process, done). On leaving, ``done`` is
+    set and the process waited for (killed if it does not end), on every
+    path."""
     ready, done = CTX.Event(), CTX.Event()
     proc = CTX.Process(
         target=_claim_and_wait, args=(cache_dir, keys, now_ns, ready, done)
     )
-    proc.start()
-    assert ready.wait(30)
-    return proc, done
+    try:
+        proc.start()
+        assert ready.wait(30), "the claimant did not claim within 30 s"
+        yield proc, done
+    finally:
+        done.set()
+        proc.join(30)
+        reap(proc)
 
 
 def test_a_live_claim_is_respected_then_released(tmp_path, spec, config):
     keys = [bytes([i]) * 16 for i in range(1, 5)]
     with KVStore(config, spec) as store:  # creates the directory
-        proc, done = _start_claimant(config.cache_dir, keys[:2])
-        try:
+        with _claimant(config.cache_dir, keys[:2]):
             result = store.put(keys, block_tensors(spec, keys))
             assert (result.stored, result.skipped) == (2, 2)
             assert store.lookup(keys) == 0  # the claimed two are not ours to write
             assert store.stats().claims_held == 2
-        finally:
-            done.set()
-            proc.join(30)
         assert store.put(keys, block_tensors(spec, keys)).stored == 2
         assert store.lookup(keys) == 4
         assert store.stats().claims_held == 0
@@ -120,9 +129,10 @@ def test_a_live_claim_is_respected_then_released(tmp_path, spec, config):
 def test_the_claims_of_a_killed_process_are_taken_over(tmp_path, spec, config):
     keys = [bytes([i]) * 16 for i in range(1, 5)]
     with KVStore(config, spec) as store:
-        proc, _ = _start_claimant(config.cache_dir, keys)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(30)
+        with _claimant(config.cache_dir, keys) as (proc, _):
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(30)
+            assert proc.exitcode == -signal.SIGKILL
         assert store.stats().claims_held == 4  # left behind by the kill
         assert store.put(keys, block_tensors(spec, keys)).stored == 4
         assert store.lookup(keys) == 4
@@ -133,12 +143,8 @@ def test_an_expired_claim_of_a_live_process_is_taken_over(tmp_path, spec, config
     keys = [bytes([i]) * 16 for i in range(1, 3)]
     with KVStore(config, spec) as store:
         old = time.time_ns() - int((CLAIM_TTL_S + 1) * 1e9)
-        proc, done = _start_claimant(config.cache_dir, keys, now_ns=old)
-        try:
+        with _claimant(config.cache_dir, keys, now_ns=old):
             assert store.put(keys, block_tensors(spec, keys)).stored == 2
-        finally:
-            done.set()
-            proc.join(30)
 
 
 def test_sweep_removes_only_dead_and_expired_claims(tmp_path):

@@ -21,6 +21,7 @@ from npukv_store.maintenance import Options, run
 from npukv_store.store.chunk_writer import write_chunk
 from npukv_store.store.index import ChunkRecord
 from tests.support.blocks import block_tensors, empty_like_blocks, tiny_spec
+from tests.support.processes import reaping
 
 REPO = Path(__file__).resolve().parents[2]
 CTX = mp.get_context("spawn")
@@ -161,8 +162,9 @@ def test_target_without_a_recorded_capacity_is_one_clear_error(tmp_path, rings):
 
 def _dead_pid():
     proc = CTX.Process(target=time.sleep, args=(0,))
-    proc.start()
-    proc.join()
+    with reaping(proc):
+        proc.start()
+        proc.join(30)
     return proc.pid
 
 
@@ -277,13 +279,14 @@ def test_one_run_at_a_time_and_a_killed_runs_lock_is_taken_over(
     KVStore(config, spec).close()
     ready, done = CTX.Event(), CTX.Event()
     holder = CTX.Process(target=_hold_lock, args=(config.cache_dir, ready, done))
-    holder.start()
-    assert ready.wait(30)
-    code, summary, err = _compact(config.cache_dir, ring_dir=rings)
-    assert code == 2
-    assert f"held by pid {holder.pid}" in err
-    os.kill(holder.pid, signal.SIGKILL)
-    holder.join(30)
+    with reaping(holder):
+        holder.start()
+        assert ready.wait(30)
+        code, summary, err = _compact(config.cache_dir, ring_dir=rings)
+        assert code == 2
+        assert f"held by pid {holder.pid}" in err
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.join(30)
     code, summary, err = _compact(config.cache_dir, ring_dir=rings)
     assert code == 0, err
 

@@ -204,12 +204,13 @@ def test_kill_9_writers_never_yield_a_wrong_block(mooncake_master, tmp_path):
     parent_store = None
     try:
         wait_up(parent_tier)
-        children = [
-            Child(tmp_path, master, "s1", 32 << 20),
-            Child(tmp_path, master, "s2", 0),
-            Child(tmp_path, master, "v0", 0, batches=100, pause=0.002),
-            Child(tmp_path, master, "v1", 32 << 20, batches=100, pause=0.02),
-        ]
+        for name, segment, kw in (
+            ("s1", 32 << 20, {}),
+            ("s2", 0, {}),
+            ("v0", 0, {"batches": 100, "pause": 0.002}),
+            ("v1", 32 << 20, {"batches": 100, "pause": 0.02}),
+        ):  # one by one: the finally stops every child started so far
+            children.append(Child(tmp_path, master, name, segment, **kw))
         s1, s2, v0, v1 = children
         for child in children:
             child.wait(lambda c: c.up, 30.0)
