@@ -13,7 +13,8 @@ Trial classes (details in ``tests/support/scenarios.py``):
 
 * ``test_sigkill_at_random_points``: 10 kills at uniform 0-150 ms after the child
   is ready, alternating a plain child and one whose publish steps nap 0-3 ms
-  (widening the rename-to-commit and in-transaction windows).
+  (widening the rename-to-commit and in-transaction windows), and one kill in
+  a child's third put (so returned puts are always checked after a kill).
 * ``test_sigkill_in_each_publish_window``: kills placed exactly in each window:
   tmp written, renamed but not committed, inside the write transaction,
   committed but not returned; each window's leftover is asserted to exist
@@ -34,7 +35,9 @@ from npukv_store import KVStore, StoreConfig  # noqa: E402
 from tests.support import scenarios
 from tests.support.scenarios import (
     EVICT_PHASES,
+    PHASE_TMP_WRITTEN,
     PUBLISH_PHASES,
+    CrashTrial,
     random_plan,
     run_crash_trials,
     targeted_plan,
@@ -48,12 +51,15 @@ def test_sigkill_at_random_points(tmp_path, mode, trials):
     background writer's flush (at least 20 trials, as the data path asks)."""
     seed = random.randrange(2**32)  # every failure message names it
     plan = random_plan(trials, random.Random(seed), max_delay_s=0.15)
+    # Random kills may all land before a put returns: one more trial, killed
+    # in its third put, makes sure returned puts are checked after a kill.
+    plan.append(CrashTrial(hooks=True, target=PHASE_TMP_WRITTEN, skip_puts=2))
     summary = run_crash_trials(
         str(tmp_path / "cache"), str(tmp_path / "logs"), plan, seed=seed, mode=mode
     )
-    assert summary["trials"] == trials
+    assert summary["trials"] == trials + 1
     # The children got some puts through, and those were checked after kills.
-    assert summary["puts_returned"] > 0, summary
+    assert summary["puts_returned"] >= 2, summary
     assert summary["returned_keys_verified"] > 0, summary
 
 

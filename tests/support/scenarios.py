@@ -295,6 +295,16 @@ PREFIX_BLOCKS = 6
 SUFFIX_BLOCKS = 3
 SUFFIX_VOCAB = 2
 MP_MAX_BLOCKS = PREFIX_BLOCKS + SUFFIX_BLOCKS
+#: What every run must have exercised (summed tallies and counters > 0). A run
+#: that has not when its ``seconds`` are up goes on, forcing each of them (see
+#: :func:`_forced_step`), for up to ``overtime_s``; the parent's own
+#: requirement (``until``) is the last flag.
+MP_REQUIRED = ("put_stored", "put_skipped", "read_hits", "counter.evicted_chunks")
+
+
+class NotExercised(AssertionError):
+    """A randomized run found no fault but did not exercise what it checks,
+    even with its overtime: run it again (another seed), do not pass it."""
 
 
 def _prefixes(spec: NamespaceSpec, seed: int) -> list[list[int]]:
@@ -325,12 +335,15 @@ def _mp_worker(
     barrier,
     results,
     mode: str = "sync",
+    exercised=None,
+    overtime_s: float = 0.0,
 ) -> None:
     """Entry point of one spawned worker: reports ("ok"|"error", wid, payload)."""
     try:
         report = _mp_worker_loop(
-            wid, config_kwargs, seed, seconds, fault_after_s, barrier, mode
-        )
+            wid, config_kwargs, seed, seconds, fault_after_s, barrier, mode,
+            exercised, overtime_s,
+        )  # fmt: skip
         results.put(("ok", wid, report))
     except BaseException:
         results.put(("error", wid, traceback.format_exc()))
@@ -345,7 +358,13 @@ def _mp_worker_loop(
     fault_after_s: float | None,
     barrier,
     mode: str = "sync",
+    exercised=None,
+    overtime_s: float = 0.0,
 ) -> dict[str, Any]:
+    """Random steps for ``seconds``; then, while some flag of ``exercised``
+    (one per MP_REQUIRED name, set by any worker, then the parent's) is
+    unset, for up to ``overtime_s`` more, random steps each followed by a
+    forced one."""
     spec = tiny_spec()
     # Odd workers trust the disk (verify="never"): a wrong row they get is not
     # masked as a checksum miss, so the byte comparison below sees it.
@@ -358,44 +377,26 @@ def _mp_worker_loop(
     problems: list[str] = []
     barrier.wait(timeout=120)
     start = time.monotonic()
-    while time.monotonic() < start + seconds and not problems:
+    fresh = 0
+    while not problems:
+        now = time.monotonic()
+        overtime = now >= start + seconds
+        if overtime and (
+            exercised is None or all(exercised) or now >= start + seconds + overtime_s
+        ):
+            break
         if (
             fault_after_s is not None
             and wid == 0
             and time.monotonic() > start + fault_after_s
         ):
             raise RuntimeError("injected worker fault (harness self-test)")
-        keys = store.keys_for(_prompt(spec, prefixes, rng))
-        hit = store.lookup(keys)
-        tally["lookups"] += 1
-        pick = rng.random()  # not `mode`: that is the put mode, used below
-        if pick < 0.5:  # the connector's path: read what lookup promised
-            read_keys, layers = keys[:hit], None
-        elif pick < 0.75:  # also ask for blocks lookup did not report
-            read_keys, layers = keys, None
-        else:  # one layer only, as layerwise loading does
-            read_keys, layers = keys, [rng.randrange(len(spec.layers))]
-        if read_keys:
-            out = empty_out(spec, len(read_keys), layers)
-            ok = store.read(read_keys, out)
-            problems += verify_read(spec, read_keys, out, ok)
-            tally["read_hits"] += sum(ok)
-            tally["read_misses"] += len(ok) - sum(ok)
-            if pick < 0.5:  # allowed (evicted in between), but worth counting
-                tally["lookup_hit_read_miss"] += len(ok) - sum(ok)
-        if hit < len(keys):
-            # Mostly the missing tail; sometimes the whole prompt, to take the
-            # skip path and to race whole chunks against other workers.
-            put_keys = keys if rng.random() < 0.25 else keys[hit:]
-            absent = sum(loc is None for loc in store.index.locate(put_keys))
-            result = do_put(store, put_keys, make_tensors(spec, put_keys), mode)
-            tally["put_stored"] += result.stored
-            tally["put_skipped"] += result.skipped
-            tally["put_rejected"] += result.rejected
-            # Rows absent just before put() that it neither stored nor rejected
-            # were committed by another worker in between: a lost race (net of
-            # rows another worker's eviction freed in between).
-            tally["lost_races"] += absent - result.stored - result.rejected
+        _random_step(store, spec, prefixes, rng, mode, tally, problems)
+        if overtime and exercised is not None and not all(exercised[:-1]):
+            _forced_step(store, spec, wid, fresh, rng, mode, tally, problems)
+            fresh += 1
+        if exercised is not None:
+            _note_exercised(exercised, tally, store.counters.snapshot())
         max_total = max(max_total, store.stats().total_bytes)
     counters = store.stats().counters
     store.close()
@@ -406,6 +407,95 @@ def _mp_worker_loop(
         "problems": problems[:20],
         "verify": verify,
     }
+
+
+def _note_exercised(exercised, tally: Counter[str], counters: dict[str, int]) -> None:
+    """Set the flag of each MP_REQUIRED name this worker has exercised."""
+    for index, name in enumerate(MP_REQUIRED):
+        if name.startswith("counter."):
+            value = counters.get(name.removeprefix("counter."), 0)
+        else:
+            value = tally[name]
+        if value > 0:
+            exercised[index] = 1
+
+
+def _forced_step(
+    store: KVStore,
+    spec: NamespaceSpec,
+    wid: int,
+    fresh: int,
+    rng: random.Random,
+    mode: str,
+    tally: Counter[str],
+    problems: list[str],
+) -> None:
+    """A step that exercises what random steps may miss: put a prompt no one
+    has put (MP_MAX_BLOCKS new blocks, a largest chunk: a few of these exceed
+    any capacity, so commits must evict), read it back (hits), and put it
+    again (skips: its blocks are stored)."""
+    count = MP_MAX_BLOCKS * spec.block_size
+    tokens = [rng.randrange(10**6, 10**9) for _ in range(count)]
+    keys = store.keys_for([-1 - wid, fresh, *tokens])  # never a random step's prompt
+    tally["lookups"] += 1
+    store.lookup(keys)
+    tensors = make_tensors(spec, keys)
+    result = do_put(store, keys, tensors, mode)
+    tally["put_stored"] += result.stored
+    tally["put_skipped"] += result.skipped
+    tally["put_rejected"] += result.rejected
+    out = empty_out(spec, len(keys), None)
+    ok = store.read(keys, out)
+    problems += verify_read(spec, keys, out, ok)
+    tally["read_hits"] += sum(ok)
+    tally["read_misses"] += len(ok) - sum(ok)
+    again = do_put(store, keys, tensors, mode)
+    tally["put_stored"] += again.stored
+    tally["put_skipped"] += again.skipped
+    tally["put_rejected"] += again.rejected
+
+
+def _random_step(
+    store: KVStore,
+    spec: NamespaceSpec,
+    prefixes: list[list[int]],
+    rng: random.Random,
+    mode: str,
+    tally: Counter[str],
+    problems: list[str],
+) -> None:
+    """One random step: look a prompt up, read some of it, put what is missing."""
+    keys = store.keys_for(_prompt(spec, prefixes, rng))
+    hit = store.lookup(keys)
+    tally["lookups"] += 1
+    pick = rng.random()  # not `mode`: that is the put mode, used below
+    if pick < 0.5:  # the connector's path: read what lookup promised
+        read_keys, layers = keys[:hit], None
+    elif pick < 0.75:  # also ask for blocks lookup did not report
+        read_keys, layers = keys, None
+    else:  # one layer only, as layerwise loading does
+        read_keys, layers = keys, [rng.randrange(len(spec.layers))]
+    if read_keys:
+        out = empty_out(spec, len(read_keys), layers)
+        ok = store.read(read_keys, out)
+        problems += verify_read(spec, read_keys, out, ok)
+        tally["read_hits"] += sum(ok)
+        tally["read_misses"] += len(ok) - sum(ok)
+        if pick < 0.5:  # allowed (evicted in between), but worth counting
+            tally["lookup_hit_read_miss"] += len(ok) - sum(ok)
+    if hit < len(keys):
+        # Mostly the missing tail; sometimes the whole prompt, to take the
+        # skip path and to race whole chunks against other workers.
+        put_keys = keys if rng.random() < 0.25 else keys[hit:]
+        absent = sum(loc is None for loc in store.index.locate(put_keys))
+        result = do_put(store, put_keys, make_tensors(spec, put_keys), mode)
+        tally["put_stored"] += result.stored
+        tally["put_skipped"] += result.skipped
+        tally["put_rejected"] += result.rejected
+        # Rows absent just before put() that it neither stored nor rejected
+        # were committed by another worker in between: a lost race (net of
+        # rows another worker's eviction freed in between).
+        tally["lost_races"] += absent - result.stored - result.rejected
 
 
 def run_multiprocess(
@@ -420,6 +510,8 @@ def run_multiprocess(
     fault_after_s: float | None = None,
     mode: str = "sync",
     during: Callable[[], None] | None = None,
+    until: Callable[[], bool] | None = None,
+    overtime_s: float = 30.0,
 ) -> dict[str, Any]:
     """``workers`` spawned processes put, look up and read one small cache
     (``mode`` "async": puts go through the ring and the background writer).
@@ -428,9 +520,18 @@ def run_multiprocess(
 
     Proves: no read returns wrong bytes (hit or miss only); the ledger never
     exceeds capacity by more than one chunk (sampled by every worker after every
-    operation and by the parent every few ms); no worker raises; eviction really
-    happened; the directory is consistent afterwards (check with data, every
-    indexed key readable, tmp/ empty).
+    operation and by the parent every few ms); no worker raises; eviction,
+    stores, skips and read hits really happened (MP_REQUIRED); the directory is
+    consistent afterwards (check with data, every indexed key readable, tmp/
+    empty).
+
+    A run is randomized, so whether it exercises MP_REQUIRED (and ``until()``,
+    the caller's own requirement, polled in the parent) is not certain within
+    ``seconds``: the workers then go on for up to ``overtime_s``, forcing what
+    is missing (a worker's forced puts exceed any capacity, so commits evict),
+    until everything is exercised. Raises :class:`NotExercised` (after every
+    correctness check passed) only if even that did not: the caller runs again
+    with another seed (:func:`until_exercised`).
 
     Args:
         capacity_chunks: capacity in largest-chunk sizes.
@@ -438,6 +539,9 @@ def run_multiprocess(
             resident chunk is read within the grace); 0.02-0.05 s mixes
             rejections with hundreds of evictions a second.
         fault_after_s: worker 0 raises after this long (tests the harness).
+        until: the caller's requirement, polled after each ``during()``.
+        overtime_s: the most the workers run past ``seconds`` to exercise
+            MP_REQUIRED and ``until``.
 
     Returns:
         A summary: summed tallies and counters, capacity figures, sample maxima.
@@ -461,6 +565,9 @@ def run_multiprocess(
     # The parent joins the barrier too: it opens its sampling handle only once
     # every worker has opened (the workers race on creating the directory).
     barrier = ctx.Barrier(workers + 1)
+    # One flag per MP_REQUIRED name (set by any worker), then the parent's.
+    exercised = ctx.Array("b", len(MP_REQUIRED) + 1, lock=False)
+    exercised[-1] = int(until is None)
     procs = [
         ctx.Process(
             target=_mp_worker,
@@ -473,6 +580,8 @@ def run_multiprocess(
                 barrier,
                 results,
                 mode,
+                exercised,
+                overtime_s,
             ),  # fmt: skip
             name=f"npukv-mp-worker-{wid}",
             daemon=True,
@@ -494,7 +603,7 @@ def run_multiprocess(
                 f"{where}: workers did not all start:\n" + "\n".join(errors)
             ) from None
         sampler = KVStore(StoreConfig(**config_kwargs), spec)
-        deadline = time.monotonic() + seconds + 120
+        deadline = time.monotonic() + seconds + overtime_s + 120
         while len(reports) + len(errors) < workers:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{where}: workers did not finish in time")
@@ -505,6 +614,8 @@ def run_multiprocess(
             samples += 1
             if during is not None:
                 during()
+            if not exercised[-1] and until is not None and until():
+                exercised[-1] = 1
             _drain(results, reports, errors, timeout=0.005)
             if any(not p.is_alive() and p.exitcode != 0 for p in procs):
                 _drain(results, reports, errors, timeout=1.0)
@@ -558,10 +669,6 @@ def run_multiprocess(
     for name in ("counter.checksum_errors", "counter.read_errors"):
         if totals[name]:
             problems.append(f"{name} = {totals[name]}, expected 0")
-    # The scenario must have exercised what it claims to.
-    for name in ("put_stored", "read_hits", "counter.evicted_chunks"):
-        if not totals[name]:
-            problems.append(f"{name} = 0: the run did not exercise it")
     _fail(f"{where} summary {summary}", problems)
 
     store = KVStore(StoreConfig(**config_kwargs), spec)
@@ -576,7 +683,35 @@ def run_multiprocess(
         store.close()
     problems += [f"tmp/ left {name}" for name in tmp_files(cache_dir)]
     _fail(f"{where} after reopen", problems)
+    # The scenario must have exercised what it claims to (it found no fault).
+    missing = [name for name in MP_REQUIRED if not totals[name]]
+    if until is not None and not until():
+        missing.append("the caller's until()")
+    if missing:
+        raise NotExercised(
+            f"{where}: no fault found, but even {overtime_s:g} s of overtime did "
+            f"not exercise {missing}; summary {summary}"
+        )
     return summary
+
+
+def until_exercised(
+    attempt: Callable[[int], dict[str, Any]], attempts: int = 3
+) -> dict[str, Any]:
+    """``attempt(n)`` for n = 0, 1, ... (each a whole randomized run, on its
+    own seed and directory): the summary of the first that exercised what it
+    checks. A run that raises :class:`NotExercised` found no fault and is run
+    again; any other failure propagates at once."""
+    skipped: list[str] = []
+    for number in range(attempts):
+        try:
+            return attempt(number)
+        except NotExercised as exc:
+            skipped.append(str(exc))
+    raise AssertionError(
+        f"{attempts} runs found no fault, but none exercised what the test "
+        "checks:\n" + "\n".join(skipped)
+    )
 
 
 def _drain(
