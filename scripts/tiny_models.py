@@ -6,7 +6,8 @@ KV cache layouts (full attention, MoE, MLA, sliding window, linear attention).
 
 ``PATH/model`` gets the checkpoint and ``PATH/tokenizer`` a WordLevel tokenizer
 (ids 1/2/3 are bos/eos/pad). Run vLLM with ``LLM(model=..., tokenizer=...,
-dtype=facts["dtype"], block_size=facts["block_size"], enforce_eager=True)``.
+dtype=facts["dtype"], block_size=facts["block_size"], enforce_eager=True)``
+(and ``attention_backend=facts["attention_backend"]`` where it is not None).
 Nothing is downloaded.
 
 Pitfalls (vLLM 0.32 CPU, transformers 5):
@@ -19,8 +20,14 @@ Pitfalls (vLLM 0.32 CPU, transformers 5):
 - Gemma with tied embeddings and small random weights just repeats its input:
   its lm_head is untied (vLLM's Gemma3ForCausalLM loads one). Qwen3-MoE at
   std 0.06 repeats one token: it gets 0.08.
-- CPU attention needs block sizes that are multiples of 32; CPU MLA forces 16,
-  needs kv_lora_rank + qk_rope_head_dim == 576 and turns prefix caching off.
+- CPU attention needs block sizes that are multiples of 32. MLA needs
+  kv_lora_rank + qk_rope_head_dim == 576 and has two CPU backends: the
+  reference CPU_MLA (any dtype, forces block size 16, turns prefix caching
+  off) and, where the CPU has AMX (``amx_tile``), AMX_MLA, which vLLM picks
+  there by default (bfloat16 only: float32 weights fail to load; block sizes
+  of 32n; prefix caching stays on). DeepSeek-V2's facts name CPU_MLA
+  (``attention_backend``, run as ``LLM(attention_backend=...)``), so it runs
+  alike on every CPU; docs/vllm.md has the details.
 - vLLM refuses Qwen2 with a sliding window on only some layers: none is used.
 - CPU GDN (Qwen3-Next linear attention) runs only in bfloat16, with key and
   value head dims of 128. vLLM raises the block size until an attention page
@@ -108,6 +115,9 @@ _FAMILIES: dict[str, dict[str, Any]] = {
             "topk_group": 1,
         },
         "mla": True,
+        # vLLM's reference CPU MLA backend, on every CPU: on one with AMX vLLM
+        # would pick AMX_MLA (bf16 only, blocks of 32n, prefix caching on)
+        "attention_backend": "CPU_MLA",
         "block_size": 16,  # CPU MLA forces it
         "prefix_caching": False,  # CPU MLA turns it off
     },
@@ -206,6 +216,7 @@ def build(family: str, path: str, *, seed: int = 0) -> dict[str, Any]:
         "layers": config.num_hidden_layers,
         "mla": spec.get("mla", False),
         "hybrid": spec.get("hybrid"),
+        "attention_backend": spec.get("attention_backend"),  # None: vLLM's choice
         "prefix_caching": spec.get("prefix_caching", True),  # after vLLM's overrides
         "vocab_size": VOCAB,
         "seed": seed,

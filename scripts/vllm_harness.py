@@ -224,10 +224,15 @@ def count_external_tokens() -> list[int]:
 def transfer_config(connector: str, extra: dict[str, Any]) -> Any:
     from vllm.config import KVTransferConfig
 
-    if connector == "npukv":
+    if connector in ("npukv", "npukv-startup-fault"):
+        # npukv-startup-fault: tests/support/startup_fault.py, the connector
+        # with a fault injected into both roles' start-up
+        module = "npukv_store.connector"
+        if connector == "npukv-startup-fault":
+            module = "tests.support.startup_fault"
         return KVTransferConfig(
             kv_connector="NPUKVStoreConnector",
-            kv_connector_module_path="npukv_store.connector",
+            kv_connector_module_path=module,
             kv_role="kv_both",
             kv_connector_extra_config=extra,
         )
@@ -315,6 +320,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if args.hma is not None:  # vLLM decides by default (on with our connector)
         options["disable_hybrid_kv_cache_manager"] = args.hma == "off"
+    backend = args.attention_backend or facts.get("attention_backend")
+    if backend:  # e.g. CPU_MLA, the reference CPU MLA backend, on any CPU
+        options["attention_backend"] = backend
     llm = LLM(
         model=facts.get("model", args.model),
         tokenizer=facts.get("tokenizer"),
@@ -425,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     go.add_argument("--out", required=True)
     go.add_argument(
-        "--connector", choices=("none", "npukv", "example", "memory"), default="none"
+        "--connector",
+        choices=("none", "npukv", "npukv-startup-fault", "example", "memory"),
+        default="none",
     )
     go.add_argument("--extra", default="", help="kv_connector_extra_config as JSON")
     go.add_argument("--max-tokens", type=int, default=8)
@@ -435,6 +445,11 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument(
         "--dtype", default="", help="model and KV dtype (default: the model's)"
     )
+    go.add_argument(
+        "--attention-backend", default="",
+        help="vLLM's attention backend, e.g. CPU_MLA or AMX_MLA; auto: vLLM's "
+        "choice (default: the model's, from build_family, else vLLM's)",
+    )  # fmt: skip
     go.add_argument("--max-model-len", type=int, default=1024)
     go.add_argument(
         "--ttft", action="store_true", help="time max_tokens=1 before each prompt"

@@ -15,7 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WARMUP_TOKENS", "build_model", "finish", "run", "start"]
+from tests.support.processes import reap, reaping
+
+__all__ = [
+    "WARMUP_TOKENS", "build_model", "finish", "reap", "reaping", "run", "start", "wait",
+]  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = str(ROOT / "scripts" / "vllm_harness.py")
@@ -47,8 +51,10 @@ def start(
     args: tuple[str, ...] = (),
     multiprocess: bool = False,
     max_tokens: int = 8,
+    connector: str = "npukv",
 ) -> subprocess.Popen[bytes]:
-    """Start one vLLM process over ``prompts`` (greedy); see :func:`finish`."""
+    """Start one vLLM process over ``prompts`` (greedy), with ``connector``
+    (the harness's name) where ``cache_dir`` is given; see :func:`finish`."""
     prompt_file = work / f"{name}.prompts.json"
     prompt_file.write_text(json.dumps(prompts))
     cmd = [
@@ -63,16 +69,27 @@ def start(
             "ring_size": "64MiB",
             **(extra or {}),
         }
-        cmd += ["--connector", "npukv", "--extra", json.dumps(config)]
+        cmd += ["--connector", connector, "--extra", json.dumps(config)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     with open(work / f"{name}.log", "wb") as log:  # the child keeps its own fd
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
+def wait(proc: subprocess.Popen[bytes], timeout_s: float = 600) -> int:
+    """``proc``'s exit code; whatever stops the wait (its timeout, the test's
+    timeout, an interrupt) kills and reaps ``proc`` before it propagates."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except BaseException:
+        reap(proc)
+        raise
+
+
 def finish(work: Path, name: str, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
-    """Wait for a run; its report, with its log under ``"log"``."""
-    rc = proc.wait(timeout=600)
+    """Wait for a run (see :func:`wait`); its report, with its log under
+    ``"log"``."""
+    rc = wait(proc)
     log = (work / f"{name}.log").read_text(errors="replace")
     assert rc == 0, f"vLLM run {name} failed (rc {rc}):\n{log[-6000:]}"
     report: dict[str, Any] = json.loads((work / f"{name}.json").read_text())

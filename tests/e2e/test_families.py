@@ -7,10 +7,14 @@ whole stored prompt and of a prefix shared with another stored prompt. vLLM's
 prefix cache is on, as in production; the load run's prompts share nothing
 with each other, so every hit it reports is the connector's.
 
-DeepSeek-V2 (MLA) cannot keep its tokens on the CPU once KV is reused: vLLM's
-CPU MLA prefill and decode paths disagree, and vLLM turns prefix caching off
-for it. There the connector must not load at all (and says so), and the load
-path is checked byte for byte instead.
+DeepSeek-V2 (MLA) has two CPU attention backends in vLLM (docs/vllm.md). On
+the reference one, CPU_MLA (every CPU; the model's facts force it even where
+the CPU has AMX), it cannot keep its tokens once KV is reused: its prefill and
+decode paths disagree, and vLLM turns prefix caching off for it. There the
+connector must not load at all (and says so), and the load path is checked
+byte for byte instead. Where the CPU has AMX, vLLM's own choice is AMX_MLA
+(bfloat16, prefix caching on): there the connector loads, and its tokens must
+equal those of vLLM's own prefix-cache hit of the same prefix.
 """
 
 from __future__ import annotations
@@ -132,10 +136,11 @@ def _stored_bytes(npukv, cache: Path) -> int:
 
 
 def test_mla_loads_nothing_where_vllm_turned_prefix_caching_off(tmp_path):
-    """DeepSeek-V2 on the CPU: by default the connector saves but never loads,
-    so the tokens are the baseline's; with load_without_prefix_caching the
-    pages right after each load equal, byte for byte and for every layer, the
-    pages the storing process computed, in bulk and layerwise modes."""
+    """DeepSeek-V2 on vLLM's reference CPU MLA backend (forced by the model's
+    facts, so on a CPU with AMX too): by default the connector saves but never
+    loads, so the tokens are the baseline's; with load_without_prefix_caching
+    the pages right after each load equal, byte for byte and for every layer,
+    the pages the storing process computed, in bulk and layerwise modes."""
     model = build_model(tmp_path / "model", "deepseek_v2")
     p, cache = _prompts(16), tmp_path / "cache"
     baseline = run(tmp_path, "baseline", [p["A"], p["B"]], model=model)
@@ -143,6 +148,8 @@ def test_mla_loads_nothing_where_vllm_turned_prefix_caching_off(tmp_path):
                 args=("--record-kv", str(tmp_path / "s.kv")))  # fmt: skip
     shutil.copytree(cache, tmp_path / "stored")  # as the store run left it
     load = run(tmp_path, "load", [p["A"], p["B"]], model=model, cache_dir=cache)
+    for report in (baseline, store, load):
+        assert "Using CPU_MLA backend" in report["log"]
     assert "forcing chunked prefill and prefix caching to be disabled" in store["log"]
     assert tokens(load) == tokens(baseline)
     assert external(load) == [0, 0]
@@ -166,6 +173,63 @@ def test_mla_loads_nothing_where_vllm_turned_prefix_caching_off(tmp_path):
         for key, pages in loaded.items():
             assert set(pages) == layers, f"{mode}: key {key} missing layers"
             assert pages == saved[key], f"{mode}: key {key} differs from its save"
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(
+                line.startswith("flags") and "amx_tile" in line.split() for line in f
+            )
+    except OSError:
+        return False
+
+
+#: vLLM's AMX MLA backend: bfloat16 only, block sizes of 32n.
+AMX_MLA_ARGS = ("--attention-backend", "AMX_MLA", "--dtype", "bfloat16",
+                "--block-size", "32")  # fmt: skip
+
+
+@pytest.mark.skipif(
+    not _cpu_has_amx(),
+    reason="vLLM's AMX_MLA backend needs a CPU with AMX (amx_tile is not in "
+    "/proc/cpuinfo's flags here)",
+)
+def test_mla_on_amx_loads_and_matches_vllms_own_prefix_cache_hit(tmp_path):
+    """DeepSeek-V2 on vLLM's AMX MLA backend (bfloat16, prefix caching on):
+    store in one process, load in another: external hits for a whole stored
+    prompt and for a prefix shared with another, loaded pages equal to the
+    stored ones byte for byte, and greedy tokens equal to vLLM's own
+    prefix-cache hit of the same prefixes (one process without the connector:
+    A then A again, C then B). Not to a cold run: with bfloat16 AMX MLA,
+    vLLM's own cached run of a partial prefix already differs from its cold
+    run from the second generated token on (docs/vllm.md)."""
+    block = 32
+    model = build_model(tmp_path / "model", "deepseek_v2")
+    p, cache = _prompts(block), tmp_path / "cache"
+    whole, shared = _full_blocks(p["A"], block), 200 // block * block
+    reference = run(tmp_path, "reference", [p["A"], p["C"], p["A"], p["B"]],
+                    model=model, args=AMX_MLA_ARGS)  # fmt: skip
+    assert cached(reference) == [0, 0, whole, shared], "vLLM's prefix cache"
+    s_kv, l_kv = str(tmp_path / "s.kv"), str(tmp_path / "l.kv")
+    store = run(tmp_path, "store", [p["A"], p["C"]], model=model, cache_dir=cache,
+                args=(*AMX_MLA_ARGS, "--record-kv", s_kv))  # fmt: skip
+    load = run(tmp_path, "load", [p["A"], p["B"]], model=model, cache_dir=cache,
+               args=(*AMX_MLA_ARGS, "--record-kv", l_kv))  # fmt: skip
+    for report in (reference, store, load):
+        assert "Using AMX_MLA backend" in report["log"]
+        assert "prefix caching to be disabled" not in report["log"]
+    assert "loads are off" not in load["log"]
+    assert external(store) == [0, 0]
+    assert tokens(store) == tokens(reference)[:2]  # both cold
+    assert external(load) == [whole, shared]
+    assert cached(load) == [whole, shared]  # every hit is the connector's
+    assert tokens(load) == tokens(reference)[2:], "tokens differ from vLLM's hit"
+    saved, loaded = _kv(Path(s_kv))["saved"], _kv(Path(l_kv))["loaded"]
+    assert len(loaded) == (whole + shared + WARMUP_TOKENS // block * block) // block
+    for key, pages in loaded.items():
+        assert len(pages) == 3, f"key {key}: layers {sorted(pages)}"
+        assert pages == saved[key], f"key {key} differs from its save"
 
 
 def _kv(path: Path) -> dict:
