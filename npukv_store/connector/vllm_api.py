@@ -6,7 +6,7 @@ vLLM has (feature tests; the version string only bounds the tested range). The
 rest of the connector calls these names and never asks which vLLM it runs on.
 
 Supported: vLLM 0.23 (vllm-ascend 0.23.0.post1) to 0.33. The differences
-(docs/vllm.md §2 has them with file and line):
+(docs/vllm.md §3 has them with file and line):
 
     TransferResults        vLLM's KVConnectorTransferResults (0.32+), else a
                            twin: vLLM < 0.32 only calls get_finished

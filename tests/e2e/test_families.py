@@ -38,6 +38,35 @@ from tests.e2e.runs import (
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
 pytestmark = pytest.mark.e2e
 
+from npukv_store.connector.vllm_api import (  # noqa: E402
+    REPORTS_FAILED_LOADS,
+    VLLM_VERSION,
+)
+
+#: vLLM 0.23 cannot take a failed load of several KV cache groups back per
+#: request: hybrid models (Gemma3) only save there (docs/decisions/0056)
+HYBRID_LOADS = REPORTS_FAILED_LOADS
+needs_hybrid_loads = pytest.mark.skipif(
+    not HYBRID_LOADS,
+    reason=f"vLLM {VLLM_VERSION} has no failed_recving: hybrid models only save "
+    "there (test_family_stores_and_loads_with_baseline_tokens[gemma3] checks it)",
+)
+
+
+def _cpu_runs_mla() -> bool:
+    """vLLM's CPU platform has an MLA backend from 0.32 on; 0.23's refuses
+    every MLA model ("MLA is not supported on CPU", platforms/cpu.py)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return "CPU_MLA" in AttentionBackendEnum.__members__
+
+
+needs_cpu_mla = pytest.mark.skipif(
+    not _cpu_runs_mla(),
+    reason=f"vLLM {VLLM_VERSION}'s CPU platform runs no MLA model ('MLA is not "
+    "supported on CPU'); the connector's MLA paths are unit-tested on this lane",
+)
+
 
 def _prompts(block: int) -> dict[str, list[int]]:
     """A: a whole prompt to hit; C: another stored prompt; B: shares C's first
@@ -72,6 +101,12 @@ def test_family_stores_and_loads_with_baseline_tokens(tmp_path, family):
     assert external(store) == [0, 0]
     assert tokens(load) == tokens(baseline), f"{family}: tokens differ"
     whole, shared = _full_blocks(p["A"], block), 200 // block * block
+    if family == "gemma3" and not HYBRID_LOADS:  # vLLM 0.23: saves only
+        assert "loads are off, saves go on" in load["log"]
+        assert "cannot take a failed load of several groups" in load["log"]
+        assert external(load) == [0, 0]
+        assert list((tmp_path / "cache").glob("*/chunks/*.safetensors"))
+        return
     assert external(load) == [whole, shared], f"{family}: external hits"
     assert cached(load) == [whole, shared]
     if family == "gemma3":  # vLLM kept its hybrid KV cache manager on for us
@@ -79,6 +114,7 @@ def test_family_stores_and_loads_with_baseline_tokens(tmp_path, family):
         assert "in 2 KV cache group(s)" in load["log"]
 
 
+@needs_hybrid_loads
 def test_gemma3_group_structure_separates_namespaces_and_failed_loads_recompute(
     tmp_path,
 ):
@@ -99,6 +135,7 @@ def test_gemma3_group_structure_separates_namespaces_and_failed_loads_recompute(
     assert "failed to load" in bad["log"]
 
 
+@needs_hybrid_loads
 def test_gemma3_sliding_tails_save_fewer_bytes_and_heal_junctions(tmp_path):
     """sliding_save: tails keeps only the window before each prompt end and
     each shared-prefix junction: a whole stored prompt still hits, a prefix
@@ -135,6 +172,7 @@ def _stored_bytes(npukv, cache: Path) -> int:
     return int(json.loads(out.getvalue())["used_bytes"])
 
 
+@needs_cpu_mla
 def test_mla_loads_nothing_where_vllm_turned_prefix_caching_off(tmp_path):
     """DeepSeek-V2 on vLLM's reference CPU MLA backend (forced by the model's
     facts, so on a CPU with AMX too): by default the connector saves but never
@@ -190,6 +228,7 @@ AMX_MLA_ARGS = ("--attention-backend", "AMX_MLA", "--dtype", "bfloat16",
                 "--block-size", "32")  # fmt: skip
 
 
+@needs_cpu_mla
 @pytest.mark.skipif(
     not _cpu_has_amx(),
     reason="vLLM's AMX_MLA backend needs a CPU with AMX (amx_tile is not in "
