@@ -14,9 +14,12 @@ table. Two kinds of group are served:
 
 Any other kind (Mamba and linear attention, chunked local attention, cross
 attention, ...) has no block-wise hit that this store can serve; ``classify``
-refuses it by name.
+refuses it by name. vllm-ascend gives every MLA layer its own subclass,
+``AscendMLAAttentionSpec``: served as MLA full attention only in the form that
+is plain MLA (see ``ascend_mla_mismatch``).
 
     classify()        - a group's kind from vLLM's KV cache spec class
+    ascend_mla_mismatch() - why an AscendMLAAttentionSpec is not plain MLA
     KVGroup           - one group: kind, layers, the tokens a hit must hold
     hit_end()         - the longest hit whose sliding tails are all stored
     blocks_to_save()  - which blocks of a step's range a group keeps
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from npukv_store.errors import UnsupportedSetup
 
@@ -42,26 +45,101 @@ _KINDS: dict[str, GroupKind] = {
     "SlidingWindowMLASpec": "sliding",
 }
 
+#: vllm-ascend's spec for every MLA layer (core/kv_cache_interface.py:28 in
+#: 0.23.0.post1); full attention (CompressAttentionManager) only when plain
+ASCEND_MLA = "AscendMLAAttentionSpec"
+
+#: MLA-like spec classes refused whatever their fields, and why
+_REFUSED: dict[str, str] = {
+    "AscendSlidingWindowMLASpec": (
+        "DeepSeek V4's sliding-window MLA cache (vllm-ascend), which comes "
+        "with compressed and sparse MLA groups; its layout is not checked"
+    ),
+    "HiddenStateCacheSpec": (
+        "a cache-only layer of hidden states for speculative decoding "
+        "(extract_hidden_states), not attention KV; not checked"
+    ),
+}
+
 
 def classify(
-    spec_class: str, group_index: int, layer_names: Sequence[str]
+    spec_class: str,
+    group_index: int,
+    layer_names: Sequence[str],
+    specs: Sequence[Any] = (),
 ) -> GroupKind:
     """The kind of a KV cache group whose spec is of class ``spec_class``.
 
+    Args:
+        specs: the group's spec objects (one per layer, or the group's one);
+            read only for ``AscendMLAAttentionSpec``, whose fields decide.
+
     Raises:
         UnsupportedSetup: a kind without a block-wise hit (Mamba, linear
-            attention, ...), named with the group and one of its layers.
+            attention, ...), or an MLA variant that is not plain MLA, named
+            with the group and one of its layers.
     """
+    first = layer_names[0] if layer_names else "no layers"
+    where = (
+        f"KV cache group {group_index} is {spec_class} ({len(layer_names)} "
+        f"layer(s), e.g. {first})"
+    )
+    if spec_class in _REFUSED:
+        raise UnsupportedSetup(f"{where}: {_REFUSED[spec_class]}")
+    if spec_class == ASCEND_MLA:
+        reasons = [ascend_mla_mismatch(spec) for spec in specs] or ["no spec given"]
+        bad = next((r for r in reasons if r), "")
+        if bad:
+            raise UnsupportedSetup(
+                f"{where}, not plain MLA: {bad}; only AscendMLAAttentionSpec "
+                "with compress_ratio 1, no sparse or scale part and the "
+                "nope + rope page is served"
+            )
+        return "full"
     kind = _KINDS.get(spec_class)
     if kind is None:
-        first = layer_names[0] if layer_names else "no layers"
         raise UnsupportedSetup(
-            f"KV cache group {group_index} is {spec_class} ({len(layer_names)} "
-            f"layer(s), e.g. {first}); expected full or sliding-window attention. "
+            f"{where}; expected full or sliding-window attention. "
             "A hit on such a group needs the layer's recurrent or chunk state at "
             "the hit's end, which is not a run of KV blocks"
         )
     return kind
+
+
+def ascend_mla_mismatch(spec: Any) -> str:
+    """Why an ``AscendMLAAttentionSpec`` is not plain MLA full attention, or
+    "" when it is: one block of ``block_size`` tokens, each token's latent
+    (nope) and rope vectors and nothing else, which is what the store keys
+    and copies for vLLM's own MLAAttentionSpec.
+
+    Fields as in vllm-ascend 0.23.0.post1 (core/kv_cache_interface.py:27-121;
+    ``compress_ratio`` is vLLM 0.23's MLAAttentionSpec field): absent ones
+    take their plain defaults.
+    """
+    ratio = getattr(spec, "compress_ratio", 1)
+    if ratio != 1:
+        # a block of block_size tokens holds block_size / ratio compressed
+        # states (DeepSeek V4): not one page per block of tokens
+        return f"compress_ratio={ratio}, expected 1"
+    sparse = getattr(spec, "sparse_head_dim", None)
+    if sparse is not None:
+        # SFA/DSA: the page packs an indexer cache (and C8 scales) beside
+        # the latent, in tensors and proportions the sparse fields decide
+        return f"sparse_head_dim={sparse}, expected None"
+    scale = getattr(spec, "scale_dim", 0) or 0
+    if scale:
+        return f"scale_dim={scale}, expected 0 (no quantization scales in the page)"
+    itemsize = int(getattr(spec.dtype, "itemsize", 0))
+    plain = (
+        int(spec.block_size) * int(spec.num_kv_heads) * int(spec.head_size) * itemsize
+    )
+    page = int(spec.page_size_bytes)
+    if page != plain:
+        return (
+            f"page_size_bytes={page}, expected {plain} (block_size x "
+            "num_kv_heads x head_size x dtype size: the nope + rope page)"
+        )
+    return ""
 
 
 @dataclass(frozen=True, slots=True)
