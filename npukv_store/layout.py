@@ -2,8 +2,10 @@
 
 Runs in: the worker (connector); pure functions of tensor metadata, thread-safe.
 
-    describe_layer(name, kv, num_blocks) -> LayerLayout | None
+    describe_layer(name, kv, num_blocks, rows_per_block=1) -> LayerLayout | None
         the contiguous byte runs (Segments) of one block of one layer
+    page_layout(name, kv_caches, num_blocks, page_bytes, ...) -> LayerLayout
+        describe_layer of a registered layer, checked against the spec's page
     build_runs(layouts, block_ids, ring_slots, ring_base, ring_row_bytes)
         -> (src_ptrs, dst_ptrs, sizes) gathering those blocks into ring rows;
         swap src and dst to scatter them back
@@ -19,6 +21,10 @@ A page is one block's bytes in segment order: within a tensor in address order
 (physical, not logical: an LBNHC page is [N, H, C]; an LHBNC page is head-major),
 tensors in tuple or list order. Pages are opaque, copied back to the same layout,
 never interpreted; another layout gives other pages, so the namespace pins it.
+
+Kernel blocks (vllm-ascend's hybrid models): dim 0 may hold s rows per vLLM
+block, block b being rows ``b*s .. b*s+s-1``; its page is their runs in address
+order (dense rows: one run, the page of the unsplit layout).
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ def describe_layer(
     num_blocks: int,
     *,
     npu_format: Callable[[Any], int] | None = None,
+    rows_per_block: int = 1,
 ) -> LayerLayout | None:
     """The byte runs of one block of the KV value vLLM hands over for a layer.
 
@@ -89,6 +96,8 @@ def describe_layer(
         num_blocks: blocks the cache must hold; every tensor needs at least these.
         npu_format: for NPU tensors, ``torch_npu.get_npu_format``; ``None`` skips
             the storage-format check.
+        rows_per_block: rows of the block dim per block (kernel blocks, see
+            above); every tensor needs ``num_blocks * rows_per_block`` rows.
 
     Returns:
         The layout, or ``None`` for an empty tuple or list (nothing to store).
@@ -102,15 +111,19 @@ def describe_layer(
             ``cache[..., :D]``), members that partly overlap, or an NPU private
             storage format (FRACTAL_NZ).
     """
-    if num_blocks < 1:
+    if num_blocks < 1 or rows_per_block < 1:
         raise LayoutError(
-            f"layer {name!r}: found num_blocks={num_blocks}, expected >= 1"
+            f"layer {name!r}: found num_blocks={num_blocks}, rows_per_block="
+            f"{rows_per_block}, expected both >= 1"
         )
+    rows = num_blocks * rows_per_block
     if isinstance(kv, tuple | list):
         if not kv:
             return None
         members = [
-            _tensor_segments(name, f"[{i}]", t, num_blocks, npu_format)
+            _group_rows(
+                _tensor_segments(name, f"[{i}]", t, rows, npu_format), rows_per_block
+            )
             for i, t in enumerate(kv)
         ]
         keep = _drop_covered(name, [segs for segs, _ in members])
@@ -120,9 +133,32 @@ def describe_layer(
             kinds.append(member_kind if kept else f"dropped {member_kind}")
         kind = f"{type(kv).__name__}({', '.join(kinds)})"
     else:
-        segments, kind = _tensor_segments(name, "", kv, num_blocks, npu_format)
+        segments, kind = _group_rows(
+            _tensor_segments(name, "", kv, rows, npu_format), rows_per_block
+        )
     page_bytes = sum(s.run_bytes for s in segments)
     return LayerLayout(name, tuple(segments), page_bytes, kind)
+
+
+def _group_rows(
+    described: tuple[list[Segment], str], rows: int
+) -> tuple[list[Segment], str]:
+    """Blocks of ``rows`` adjacent rows (row j of block b is row b*rows + j)
+    from one row's segments: runs in address order, touching ones merged."""
+    segments, kind = described
+    if rows == 1:
+        return segments, kind
+    merged: list[list[int]] = []  # [base_ptr, block_stride, run_bytes, num_blocks]
+    for base, run, stride, blocks in sorted(
+        (s.base_ptr + j * s.block_stride, s.run_bytes, s.block_stride, s.num_blocks)
+        for s in segments
+        for j in range(rows)
+    ):
+        if merged and merged[-1][0] + merged[-1][2] == base:
+            merged[-1][2] += run
+        else:
+            merged.append([base, stride * rows, run, blocks // rows])
+    return [Segment(*m) for m in merged], f"{kind} {rows} rows per block"
 
 
 def page_layout(
@@ -131,9 +167,15 @@ def page_layout(
     num_blocks: int,
     page_bytes: int,
     npu_format: Callable[[Any], int] | None = None,
+    *,
+    rows_per_block: int = 1,
 ) -> LayerLayout:
     """:func:`describe_layer` of ``kv_caches[name]``, which must exist and
     have pages of exactly ``page_bytes`` (the KV cache spec's page size).
+
+    ``rows_per_block`` (kernel blocks the platform may use) is tried when one
+    row per block does not give ``page_bytes``; only one can (s rows: s times
+    one row's page).
 
     Raises:
         ConfigError: the layer is not among ``kv_caches``.
@@ -144,11 +186,27 @@ def page_layout(
             f"layer {name!r}: in the KV cache config but not among the "
             f"{len(kv_caches)} registered KV caches"
         )
-    layout = describe_layer(name, kv_caches[name], num_blocks, npu_format=npu_format)
+    kv = kv_caches[name]
+    layout = describe_layer(name, kv, num_blocks, npu_format=npu_format)
+    tried = ""
+    if layout is not None and layout.page_bytes != page_bytes and rows_per_block > 1:
+        tried = f" (nor with {rows_per_block} rows per block)"
+        try:
+            split = describe_layer(
+                name,
+                kv,
+                num_blocks,
+                npu_format=npu_format,
+                rows_per_block=rows_per_block,
+            )
+        except LayoutError as exc:  # fewer rows than the split needs
+            tried, split = f" (and with {rows_per_block} rows per block: {exc})", None
+        if split is not None and split.page_bytes == page_bytes:
+            layout = split
     if layout is None or layout.page_bytes != page_bytes:
         found = "nothing" if layout is None else f"{layout.page_bytes} bytes"
         raise LayoutError(
-            f"layer {name!r}: block page of {found}, expected "
+            f"layer {name!r}: block page of {found}{tried}, expected "
             f"{page_bytes} bytes (the KV cache spec's page size)"
         )
     return layout

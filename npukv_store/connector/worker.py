@@ -22,6 +22,9 @@ accelerator; on the CPU it stays ``off``, see ``_learn_hooks``). If a
 layer's load hook is ever skipped while a load is pending, the blocks loaded in
 that step are reported as load errors (vLLM recomputes them) and the worker
 falls back to ``off``: attention may have read them before they arrived.
+Steps whose attention is known to skip the wait hooks (vllm-ascend's MLA on
+decode-sized steps, :mod:`.ascend_rules`) load in bulk instead and stay
+layerwise.
 Hooks for layers the store does not hold (vllm-ascend's ``save_kv_layer("",
 [])`` for linear attention) are ignored.
 """
@@ -33,6 +36,7 @@ import time
 from typing import Any
 
 from npukv_store.config import StoreConfig
+from npukv_store.connector.ascend_rules import SkippedWaits, kernel_block_rows
 from npukv_store.connector.costs import CostMeter
 from npukv_store.connector.loader import LayerLoader, LoadJob, LoadLayer
 from npukv_store.connector.metadata import (
@@ -95,6 +99,7 @@ class WorkerSide:
         self.engine: EngineKV | None = None
         self.remote: MooncakeTier | None = None
         self._remote_reported: dict[str, int] = {}
+        self.skipped_waits = SkippedWaits.from_config(vllm_config)
         try:
             self.engine = engine_namespaces(vllm_config, kv_cache_config, settings)
         except UnsupportedSetup as exc:
@@ -138,13 +143,18 @@ class WorkerSide:
 
             npu_format = torch_npu.get_npu_format
         num_blocks = int(self.kv_cache_config.num_blocks)
+        rows = kernel_block_rows(
+            self.backend.kind, len(self.specs), self.specs[0].block_size
+        )
         placed = []
         for group, spec in enumerate(self.specs):
             for pos, layer in enumerate(spec.layers):
                 placed.append((layer.name, group, pos, layer.row_bytes))
         placed.sort(key=lambda entry: model_order(entry[0]))  # forward order
         for name, group, pos, row_bytes in placed:
-            layout = page_layout(name, kv_caches, num_blocks, row_bytes, npu_format)
+            layout = page_layout(
+                name, kv_caches, num_blocks, row_bytes, npu_format, rows_per_block=rows
+            )
             self.layer_index[name] = len(self.layers)
             self.layers.append(LoadLayer(f"{name}.{PAGE_PART}", layout, group))
             self._layer_pos.append(pos)
@@ -303,8 +313,9 @@ class WorkerSide:
             self._load_errors.update(b for t in loads for b in t.block_ids)
             return
         try:
-            job = self._new_job(loads, gated=self.layerwise)
-            if self.layerwise:
+            layerwise = self.layerwise and not self._waits_may_be_skipped()
+            job = self._new_job(loads, gated=layerwise)
+            if layerwise:
                 self.loader.submit(job)
                 self._load = job
                 return
@@ -317,6 +328,14 @@ class WorkerSide:
         except Exception:
             self._warn_once("load", "load failed; its blocks are recomputed")
             self._load_errors.update(b for t in loads for b in t.block_ids)
+
+    def _waits_may_be_skipped(self) -> bool:
+        """This step's attention may call no wait hook (vllm-ascend's MLA on
+        a step of decode-sized requests): its loads are then fenced here, in
+        bulk, before any attention reads the pages; the next steps stay
+        layerwise."""
+        kind = self.backend.kind if self.backend is not None else ""
+        return self.skipped_waits.may_skip(kind, self._meta.max_request_tokens)
 
     def _start_async(self, loads: list[BlockTransfer]) -> None:
         """Loads vLLM waits for off the forward (WAITING_FOR_REMOTE_KVS): read

@@ -3,8 +3,8 @@
 Runs in: ``record_written`` in the forward thread; the others in a transfer
 thread that has called ``backend.bind_thread()``.
 
-    record_written(backend)               -> Event  (at save_kv_layer, or at
-        on_kv_cache_written on Ascend): marks the KV write on the compute stream
+    record_written(backend)               -> Event  (at save_kv_layer, or in
+        wait_for_save in bulk mode): marks the KV write on the compute stream
     d2h_after(backend, written, xfer, src, dst, sizes) -> Event  (save): xfer
         waits for ``written`` (device side), then the D2H copies; the ring slot
         may be read once the returned event completes
