@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 
 from npukv_store import KVStore, NamespaceSpec, StoreConfig
 from tests.support.blocks import assert_chunks_open_with_safetensors, tiny_spec
+
+# No hypothesis deadline anywhere: a per-example time limit is a timed
+# assertion, and on a shared 2-core machine a loaded minute made the ring's
+# state machine fail with DeadlineExceeded although nothing was wrong. Tests
+# that set their own settings inherit this.
+settings.register_profile("npukv", deadline=None)
+settings.load_profile("npukv")
 
 
 @pytest.fixture
