@@ -6,7 +6,7 @@ each: Ascend-style ``(k, v)`` tuples of ``[B, N, H, D]`` and vLLM's fused
 ``[B, H, N, 2D]``. For each, ``--blocks`` random blocks go D2H into ring rows and
 come back H2D into as many other blocks, along three paths:
 
-  batch     backend.copy_runs of the runs npukv_store.layout.build_runs computes
+  batch     backend.copy_runs of the runs npukv_store.block_runs.build_runs computes
             (vLLM's swap_blocks_batch if vLLM is loaded, else the C extension's
             cuMemcpyBatchAsync, one call for all runs): what the connector uses
   loop      the C extension's cudaMemcpyAsync per run (``batch_api=False``),
@@ -95,7 +95,8 @@ class Check:
     """One layout's buffers and runs, and the passes over them."""
 
     def __init__(self, torch, backend, ordering, ring, layers, args, rng) -> None:
-        from npukv_store.layout import build_runs, describe_layer
+        from npukv_store.block_runs import build_runs
+        from npukv_store.layout import describe_layer
 
         self.torch, self.backend, self.ordering = torch, backend, ordering
         self.args = args

@@ -33,9 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from npukv_store.block_runs import build_runs
 from npukv_store.connector.host_buffer import HostBuffer
 from npukv_store.connector.remote_loads import RemoteLoads
-from npukv_store.layout import LayerLayout, build_runs
+from npukv_store.layout import LayerLayout
 from npukv_store.store.store import KVStore
 
 logger = logging.getLogger(__name__)

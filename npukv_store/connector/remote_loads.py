@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from npukv_store import native
+from npukv_store.block_runs import build_runs
 from npukv_store.connector.host_buffer import HostBuffer
-from npukv_store.layout import build_runs
 from npukv_store.remote.tier import MooncakeTier
 from npukv_store.remote.value import ValueLayout
 from npukv_store.store.store import KVStore

@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from npukv_store.block_runs import build_runs
 from npukv_store.config import StoreConfig
 from npukv_store.connector.loader import LoadLayer
 from npukv_store.connector.metadata import BlockTransfer, concat_transfers
 from npukv_store.device.ordering import d2h_after, record_written
-from npukv_store.layout import build_runs
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store.format import MAX_CHUNK_BLOCKS
 from npukv_store.store.store import KVStore, StagedSave

@@ -2,7 +2,9 @@
 
 Runs in: every vLLM Worker process (one per TP rank). The hooks run on the
 forward thread; layer reads on the loader's threads; chunk writes on the
-store's writer thread.
+store's writer thread. Saves live in :mod:`.saves`, loads in
+:mod:`.worker_loads`; this class registers the KV caches, learns which hooks
+fire, and reports.
 
     register()     - describe each layer's byte runs, open the store (one
                      namespace per KV cache group, one staging ring), register
@@ -18,13 +20,9 @@ store's writer thread.
 Modes (``layerwise``): ``on`` saves and loads in the layer hooks; ``off`` does
 everything in start_load_kv / wait_for_save; ``auto`` runs as ``off`` until it
 has seen both hooks fire for every layer in one step, then as ``on`` (on an
-accelerator; on the CPU it stays ``off``, see ``_learn_hooks``). If a
-layer's load hook is ever skipped while a load is pending, the blocks loaded in
-that step are reported as load errors (vLLM recomputes them) and the worker
-falls back to ``off``: attention may have read them before they arrived.
-Steps whose attention is known to skip the wait hooks (vllm-ascend's MLA on
-decode-sized steps, :mod:`.ascend_rules`) load in bulk instead and stay
-layerwise.
+accelerator; on the CPU it stays ``off``, see ``_learn_hooks``). A skipped
+load hook turns it ``off`` for good; steps known to skip them load in bulk
+and stay layerwise (:mod:`.worker_loads`).
 Hooks for layers the store does not hold (vllm-ascend's ``save_kv_layer("",
 [])`` for linear attention) are ignored.
 """
@@ -38,12 +36,8 @@ from typing import Any
 from npukv_store.config import StoreConfig
 from npukv_store.connector.ascend_rules import SkippedWaits, kernel_block_rows
 from npukv_store.connector.costs import CostMeter
-from npukv_store.connector.loader import LayerLoader, LoadJob, LoadLayer
-from npukv_store.connector.metadata import (
-    BlockTransfer,
-    NPUKVMetadata,
-    concat_transfers,
-)
+from npukv_store.connector.loader import LayerLoader, LoadLayer
+from npukv_store.connector.metadata import NPUKVMetadata
 from npukv_store.connector.namespace import (
     PAGE_PART,
     EngineKV,
@@ -54,6 +48,7 @@ from npukv_store.connector.remote_loads import RemoteLoads
 from npukv_store.connector.saves import StepSaver
 from npukv_store.connector.scheduler import unusable_cache_dir
 from npukv_store.connector.stats import WORKER_COUNTERS, NPUKVStats, remote_deltas
+from npukv_store.connector.worker_loads import StepLoads
 from npukv_store.errors import ConfigError, UnsupportedSetup
 from npukv_store.layout import LayoutError, page_layout
 from npukv_store.remote.tier import MooncakeTier, open_tier, release_tier
@@ -86,20 +81,22 @@ class WorkerSide:
         self._last_log = time.monotonic()
         self._meta = NPUKVMetadata()
         self.saver: StepSaver | None = None
-        self._load: LoadJob | None = None
-        self._async_jobs: list[LoadJob] = []
-        self._failed_recving: set[str] = set()
         self.loader: LayerLoader | None = None
         self.costs: CostMeter | None = None
-        self._load_wait = 0.0  # this step's forward thread waiting for loads
-        self._load_errors: set[int] = set()
         self._hooks_seen: set[str] = set()
         self._loads_seen: set[str] = set()
         self._warned: set[str] = set()
         self.engine: EngineKV | None = None
         self.remote: MooncakeTier | None = None
         self._remote_reported: dict[str, int] = {}
-        self.skipped_waits = SkippedWaits.from_config(vllm_config)
+        # made before the engine is known: a worker that is off still
+        # reports its loads as failed
+        self.loads = StepLoads(
+            SkippedWaits.from_config(vllm_config),
+            lambda: self.stats,
+            self._warn_once,
+            self._load_hook_skipped,
+        )
         try:
             self.engine = engine_namespaces(vllm_config, kv_cache_config, settings)
         except UnsupportedSetup as exc:
@@ -174,6 +171,9 @@ class WorkerSide:
             self.settings.prefetch_depth, remote=self._remote_loads(ring),
         )  # fmt: skip
         self.costs = CostMeter(self.backend, self.stores)
+        self.loads.attach(
+            self.loader, self.costs, self.specs, self.rank, self.backend.kind
+        )
         self.saver = StepSaver(
             self.stores, self.specs, self.layers, self._layer_pos, self.backend,
             self.xfer, self.settings, self.rank, self._warn_once,
@@ -229,7 +229,7 @@ class WorkerSide:
             self.saver.plan(meta.saves if not self.disabled_reason else [])
         self._hooks_seen.clear()
         self._loads_seen.clear()
-        self._load_wait = 0.0
+        self.loads.begin_step()
         if self.costs is not None:
             self.costs.step_started(meta.num_scheduled_tokens, bool(meta.loads))
 
@@ -255,13 +255,7 @@ class WorkerSide:
             self.stats.add(
                 saved_blocks=blocks, saved_bytes=nbytes, save_seconds=seconds
             )
-        if self._load is not None:
-            waited = time.perf_counter()
-            self._settle_load(self._load)
-            self._load_wait += time.perf_counter() - waited
-            self._load = None
-        if self._load_wait > 0:
-            self.stats.peak("load_wait_seconds", self._load_wait)
+        self.loads.finish_step()
         self._maybe_log()
 
     def _learn_hooks(self) -> None:
@@ -302,126 +296,20 @@ class WorkerSide:
     # -- loads ----------------------------------------------------------------------
 
     def start_load(self) -> None:
-        self._failed_recving.update(self._meta.failed_loads)
-        loads = [t for t in self._meta.loads if not t.asynchronous]
-        later = [t for t in self._meta.loads if t.asynchronous]
-        if later:
-            self._start_async(later)
-        if not loads:
-            return
-        if self.disabled_reason or self.loader is None:
-            self._load_errors.update(b for t in loads for b in t.block_ids)
-            return
-        try:
-            layerwise = self.layerwise and not self._waits_may_be_skipped()
-            job = self._new_job(loads, gated=layerwise)
-            if layerwise:
-                self.loader.submit(job)
-                self._load = job
-                return
-            waited = time.perf_counter()
-            self.loader.run(job)
-            for index in range(len(self.layers)):
-                self.loader.wait_layer(job, index)
-            self._settle_load(job)
-            self._load_wait += time.perf_counter() - waited
-        except Exception:
-            self._warn_once("load", "load failed; its blocks are recomputed")
-            self._load_errors.update(b for t in loads for b in t.block_ids)
-
-    def _waits_may_be_skipped(self) -> bool:
-        """This step's attention may call no wait hook (vllm-ascend's MLA on
-        a step of decode-sized requests): its loads are then fenced here, in
-        bulk, before any attention reads the pages; the next steps stay
-        layerwise."""
-        kind = self.backend.kind if self.backend is not None else ""
-        return self.skipped_waits.may_skip(kind, self._meta.max_request_tokens)
-
-    def _start_async(self, loads: list[BlockTransfer]) -> None:
-        """Loads vLLM waits for off the forward (WAITING_FOR_REMOTE_KVS): read
-        on the loader thread, reported per request by transfer_results()."""
-        requests = {t.req_id for t in loads}
-        if self.disabled_reason or self.loader is None:
-            self._failed_recving.update(requests)
-            return
-        try:
-            job = self._new_job(loads, gated=False)
-            for t in loads:
-                job.requests.setdefault(t.req_id, set()).update(t.block_ids)
-            self.loader.submit(job, layer_by_layer=False)
-            self._async_jobs.append(job)
-        except Exception:
-            self._warn_once("load", "load failed; its blocks are recomputed")
-            self._failed_recving.update(requests)
-
-    def _new_job(self, loads: list[BlockTransfer], *, gated: bool) -> LoadJob:
-        assert self.loader is not None
-        keys, block_ids = self._per_group([t for t in loads if not t.remote])
-        job = self.loader.new_job(keys, block_ids, gated=gated)
-        remote = [t for t in loads if t.remote]
-        if remote:
-            job.remote_keys, job.remote_block_ids = self._per_group(remote)
-        if self.costs is not None:
-            job.read_before = self.costs.load_started()
-        return job
-
-    def _per_group(
-        self, loads: list[BlockTransfer]
-    ) -> tuple[list[list[bytes]], list[list[int]]]:
-        pairs = [
-            concat_transfers([t for t in loads if t.group == g], self.rank)
-            for g in range(len(self.specs))
-        ]
-        return [k for k, _ in pairs], [b for _, b in pairs]
+        self.loads.start(
+            self._meta, layerwise=self.layerwise, disabled=bool(self.disabled_reason)
+        )
 
     def wait_layer(self, layer_name: str) -> None:
         if self._observe_hooks:
             self._loads_seen.add(layer_name)
-        job = self._load
-        if job is None or self.loader is None:
-            return
         index = self.layer_index.get(layer_name)
-        if index is not None:
-            waited = time.perf_counter()
-            self.loader.wait_layer(job, index)
-            self._load_wait += time.perf_counter() - waited
+        if index is not None:  # else a layer the store does not hold
+            self.loads.wait_layer(index)
 
-    def _settle_load(self, job: LoadJob) -> None:
-        assert self.loader is not None
-        self.loader.settle(job)
-        if not all(job.waited):
-            # attention ran on some layer before its blocks arrived
-            job.errors.update(job.all_block_ids())
-            self.layerwise = False
-            logger.warning(
-                "npukv_store: a layer's load hook was skipped; falling back to "
-                "layerwise=off (this step's loaded blocks are recomputed)"
-            )
-        self._load_errors.update(job.errors)
-        self._count_load(job)
-
-    def _count_load(self, job: LoadJob) -> None:
-        total = good = nbytes = 0
-        for group, ids in [*enumerate(job.block_ids), *enumerate(job.remote_block_ids)]:
-            ok = len(ids) - len(set(ids) & job.errors)
-            total += len(ids)
-            good += ok
-            nbytes += ok * self.specs[group].block_bytes
-        if job.errors:
-            logger.warning(
-                "npukv_store: %d of %d blocks failed to load (missing, evicted or "
-                "corrupt); vLLM recomputes them",
-                total - good, total,
-            )  # fmt: skip
-        seconds = (job.ended or time.perf_counter()) - job.started
-        self.stats.add(
-            loaded_blocks=good,
-            loaded_bytes=nbytes,
-            load_seconds=seconds,
-            load_errors=total - good,
-        )
-        if self.costs is not None and job.read_before is not None:
-            self.costs.load_done(job.read_before, seconds)
+    def _load_hook_skipped(self) -> None:
+        """A layerwise load's hook was skipped: bulk from now on (0034)."""
+        self.layerwise = False
 
     def take_costs(
         self,
@@ -430,41 +318,19 @@ class WorkerSide:
         return self.costs.take() if self.costs is not None else ([], [])
 
     def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self.loads.take_errors()
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving): requests
         whose held blocks are free again, and asynchronous loads that are done
         (a failed one is in both of the last two; vLLM recomputes it)."""
         sending = self.finished_sending() or set()
-        failed, self._failed_recving = self._failed_recving, set()
-        recving = set(failed)
-        pending = []
-        for job in self._async_jobs:
-            if self.loader is None or not self.loader.complete(job):
-                pending.append(job)
-                continue
-            self._count_load(job)
-            for req_id, ids in job.requests.items():
-                recving.add(req_id)
-                if ids & job.errors:
-                    failed.add(req_id)
-        self._async_jobs = pending
+        recving, failed = self.loads.results()
         return sending, recving, failed
 
     def abandon_loads(self) -> set[str]:
-        """Every asynchronous load still pending, once its reads and copies
-        have stopped (its blocks may be reused after): all to be reported
-        failed when results cannot be collected."""
-        requests = set(self._failed_recving)
-        self._failed_recving = set()
-        for job in self._async_jobs:
-            if self.loader is not None:
-                self.loader.settle(job)
-            requests.update(job.requests)
-        self._async_jobs = []
-        return requests
+        """Asynchronous loads still pending, stopped: all failed (StepLoads.abandon)."""
+        return self.loads.abandon()
 
     # -- stats and shutdown ---------------------------------------------------------
 

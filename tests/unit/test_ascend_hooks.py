@@ -92,7 +92,7 @@ def step(worker, backend, meta, *, waits: bool) -> bool:
         backend is not None
         and bool(meta.loads)
         and len(backend.compute.waited) - before == len(LAYERS)
-        and worker._load is None
+        and worker.loads.job is None
     )
     for name in LAYERS:
         if waits:

@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 import npukv_store.device as device  # noqa: E402
+from npukv_store.block_runs import build_runs  # noqa: E402
 from npukv_store.connector.ascend_rules import kernel_block_rows  # noqa: E402
 from npukv_store.connector.groups import ascend_mla_mismatch, classify  # noqa: E402
 from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata  # noqa: E402
@@ -39,7 +40,7 @@ from npukv_store.connector.namespace import engine_namespaces  # noqa: E402
 from npukv_store.connector.scheduler import SchedulerSide  # noqa: E402
 from npukv_store.connector.worker import WorkerSide  # noqa: E402
 from npukv_store.errors import UnsupportedSetup  # noqa: E402
-from npukv_store.layout import LayoutError, build_runs, page_layout  # noqa: E402
+from npukv_store.layout import LayoutError, page_layout  # noqa: E402
 from tests.support.connector import BLOCK, LAYERS, engine_config, settings  # noqa: E402
 
 NOPE, ROPE = 16, 8  # kv_lora_rank, qk_rope_head_dim (512 and 64 in DeepSeek)

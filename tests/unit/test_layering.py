@@ -13,7 +13,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "npukv_store"
 # rank: a module may import only packages of a lower or equal rank
 RANK = {
     "errors": 0, "spec": 0, "config": 1,
-    "hashing": 2, "layout": 2, "store": 2, "io": 2, "device": 2, "remote": 2,
+    "hashing": 2, "layout": 2, "block_runs": 2, "store": 2, "io": 2, "device": 2,
+    "remote": 2,
     "maintenance": 3, "cli": 4, "cli_render": 4, "connector": 5, "_native": 0,
     "native": 0, "_twin": 0,
     "liveness": 0,

@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
+from npukv_store.block_runs import build_runs  # noqa: E402
 from npukv_store.errors import ConfigError  # noqa: E402
 from npukv_store.layout import (  # noqa: E402
     LayerLayout,
     LayoutError,
     Segment,
-    build_runs,
     describe_layer,
 )
 

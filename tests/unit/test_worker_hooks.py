@@ -211,7 +211,7 @@ def test_mla_ascend_hook_pattern_loads_complete_fenced_and_verified(tmp_path, mo
         worker, NPUKVMetadata(loads=[transfer(keys[:3], [20, 21, 22])]),
         waits=True, twice=True,
     )  # fmt: skip
-    assert worker._load is None  # settled inside its own step
+    assert worker.loads.job is None  # settled inside its own step
     assert worker.take_load_errors() == set()
     load_events = [e for e in backend.events if e in backend.compute.waited]
     assert load_events
