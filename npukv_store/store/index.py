@@ -328,7 +328,8 @@ class Index:
 
         Returns:
             The rows won and the old records unpublished; ``(0, [])`` when no
-            row was won (nothing changes; the caller deletes the new file).
+            row was won, or when the new chunk is larger than the old chunks
+            still published (nothing changes; the caller deletes the new file).
         """
         with self._env.begin(write=True) as txn:
             live = 0
@@ -350,6 +351,13 @@ class Index:
                 total -= old.size_bytes
                 last = max(last, old.last_access_ns)
                 removed.append(old)
+            if record.size_bytes > sum(old.size_bytes for old in removed):
+                # Sources evicted since the plan left their rows in the new
+                # chunk as dead space: publishing it would grow the ledger,
+                # past capacity too (a commit evicts for room, this does not).
+                # A rewrite that does not shrink is no compaction: none.
+                txn.abort()
+                return 0, []
             rec = replace(record, live_rows=live, last_access_ns=last)
             txn.put(_CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
             txn.put(_LRU_FMT.pack(last, rec.chunk_id), b"", db=self._lru)

@@ -360,6 +360,45 @@ def test_a_row_whose_home_moved_during_compaction_keeps_its_new_home(
         assert store.check(verify_data=True) == []
 
 
+def test_a_rewrite_whose_sources_were_evicted_meanwhile_never_grows_the_ledger(
+    tmp_path, spec, config
+):
+    """Compaction read chunks A and B; before its commit A was evicted. The
+    rewrite still holds A's rows (dead now), so it is larger than B alone:
+    publishing it would grow the ledger beyond what the commits allowed (a
+    live run went past capacity that way). Nothing changes instead."""
+    keys = _keys(8)
+    with KVStore(config, spec) as store:
+        store.put(keys[:4], block_tensors(spec, keys[:4]))
+        store.put(keys[4:], block_tensors(spec, keys[4:]))
+        a, b = sorted(store.index.iter_chunks(), key=lambda c: c.keys[0] != keys[0])
+        total = store.stats().total_bytes
+        rows = {
+            n: arr.reshape(8, -1).view(np.uint8)
+            for n, arr in block_tensors(spec, keys).items()
+        }
+        new_id = secrets.randbits(63) + 1
+        path, size = write_chunk(
+            store.dir, spec, store.namespace, new_id, keys, rows,
+            created_ns=a.created_ns, sync=False,
+        )  # fmt: skip
+        assert size > b.size_bytes
+        store.index.remove_chunks([a.chunk_id])  # evicted, as a commit does
+        os.unlink(store.dir.chunk_path(store.namespace, a.chunk_id))
+        record = ChunkRecord.new(new_id, store.fingerprint, keys, size, a.created_ns)
+        sources = [(a.chunk_id, r) for r in range(4)] + [
+            (b.chunk_id, r) for r in range(4)
+        ]
+        live, removed = store.publisher.replace(
+            record, path, sources, [a.chunk_id, b.chunk_id]
+        )
+        assert (live, removed) == (0, [])
+        assert not os.path.exists(path)
+        assert store.stats().total_bytes == total - a.size_bytes
+        assert store.lookup(keys[4:]) == 4  # B is as it was
+        assert store.check(verify_data=True) == []
+
+
 def test_rebuild_index_restores_what_the_index_lost(tmp_path, spec, config, rings):
     keys = _keys(12)
     with KVStore(config, spec) as store:
