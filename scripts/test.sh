@@ -80,8 +80,14 @@ if lane 0.23; then
     lane_begin "vLLM 0.23"
     echo "== pytest: vLLM 0.23 lane"
     _families=tests/e2e/test_families.py
+    # the connector's unit tests (the store below it does not see vLLM)
     "$PY023" -m pytest -q -rs -p no:cacheprovider \
-        tests/unit \
+        tests/unit/test_vllm_api.py tests/unit/test_connector.py \
+        tests/unit/test_hybrid.py tests/unit/test_worker_hooks.py \
+        tests/unit/test_prometheus.py tests/unit/test_stats.py \
+        tests/unit/test_ascend_specs.py tests/unit/test_ascend_hooks.py \
+        tests/unit/test_groups.py tests/unit/test_layout.py \
+        tests/unit/test_load_policy.py tests/unit/test_layering.py \
         "$_families::test_family_stores_and_loads_with_baseline_tokens" \
         "$_families::test_mla_loads_nothing_where_vllm_turned_prefix_caching_off" \
         tests/e2e/test_startup.py tests/e2e/test_serve_smoke.py

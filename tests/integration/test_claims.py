@@ -108,8 +108,11 @@ def _claimant(cache_dir, keys, now_ns=None):
         assert ready.wait(30), "the claimant did not claim within 30 s"
         yield proc, done
     finally:
-        done.set()
-        proc.join(30)
+        # Not after a kill: Event.set() waits for every sleeper of the event
+        # to wake, and a process killed in done.wait() never does (it hung).
+        if proc.is_alive():
+            done.set()
+            proc.join(30)
         reap(proc)
 
 
