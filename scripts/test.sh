@@ -12,12 +12,13 @@
 #       (llama, qwen2, gemma3), MLA (skips: 0.23 runs no MLA model on the
 #       CPU), and the served smoke test (tests/e2e/test_serve_smoke.py)
 #   vLLM 0.33 (.venv-vllm033, scripts/setup_vllm033.sh): the connector's unit
-#       tests on PyPI's vLLM 0.33 (no CPU build: no engine runs)
+#       tests on PyPI's vLLM 0.33 (no CPU build: no engine runs), in an overlay
+#       of .venv that holds only the vllm 0.33 wheel
 # Idempotent; exits non-zero on the first failure. Extra arguments go to the
 # main lane's first pytest run (e.g. `bash scripts/test.sh -m stress`);
 # NPUKV_LANES picks lanes (default "main 0.23 0.33"). Each lane prints its wall
 # time at its end, and each venv's setup its own (first run, from nothing:
-# .venv about 4 min, .venv-vllm023 4.5 min, .venv-vllm033 3.5 min).
+# .venv about 4 min, .venv-vllm023 4.5 min, .venv-vllm033 under 1 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

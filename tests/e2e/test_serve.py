@@ -32,6 +32,7 @@ pytest.importorskip("vllm", reason="served end-to-end tests need vLLM (.[vllm])"
 pytest.importorskip("aiohttp", reason="the served tests' client needs aiohttp")
 
 from tests.e2e import runs  # noqa: E402
+from tests.support.served import Reference, check_outputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import serve_harness as sh  # noqa: E402
@@ -45,8 +46,6 @@ SLOW_READ_MS = 300  # C's store reads: cancellations land while loads run
 MAIN = sh.build_prompts(ROUND, seed=1)  # A's rounds, B's and C's warm traffic
 SHARED = sh.build_prompts(128, seed=2)  # new to both B and C, sent to both at once
 FRESH = sh.build_prompts(48, seed=3)  # new to C: saves run in its cancel round
-
-Reference = dict[tuple[int, ...], list[int]]
 
 
 def _serve(work: Path, name: str, **kw: Any) -> sh.Server:
@@ -76,32 +75,6 @@ def _boot(*servers: sh.Server) -> None:
 def _send(server: sh.Server, prompts: list[list[int]], **kw: Any) -> list[sh.Result]:
     kw.setdefault("concurrency", ROUND)
     return sh.complete(server.url, server.model, prompts, max_tokens=MAX_TOKENS, **kw)
-
-
-def _check_outputs(
-    what: str,
-    results: list[sh.Result],
-    prompts: list[list[int]],
-    reference: Reference,
-) -> None:
-    """Every request the client did not cancel finished with the reference
-    server's tokens for its prompt."""
-    bad = []
-    for result, prompt in zip(results, prompts, strict=True):
-        if result.cancelled:
-            continue
-        expected = reference[tuple(prompt)]
-        if result.error is not None:
-            bad.append(f"request {result.index}: error {result.error}")
-        elif result.tokens != expected:
-            bad.append(
-                f"request {result.index} ({len(prompt)} prompt tokens): found "
-                f"{result.tokens}, expected {expected}"
-            )
-    assert not bad, (
-        f"{what}: {len(bad)} of {len(results)} outputs differ from the reference "
-        "server's:\n" + "\n".join(bad[:8])
-    )
 
 
 def _claims(cache: Path) -> int:
@@ -177,7 +150,7 @@ def reference_and_a(work: Path):
         failed = [r for r in results if not r.ok or len(r.tokens) != MAX_TOKENS]
         assert not failed, f"reference server: {len(failed)} bad results: {failed[:3]}"
         reference = {tuple(p): r.tokens for p, r in zip(prompts, results, strict=True)}
-        _check_outputs("reference server, 4 at a time", again, MAIN[:64], reference)
+        check_outputs("reference server, 4 at a time", again, MAIN[:64], reference)
         yield reference, a
     finally:
         a.stop()
@@ -229,7 +202,7 @@ def test_256_concurrent_requests_with_preemption(reference, a_rounds):
     """256 requests at once through a KV cache of 48 blocks: vLLM preempts,
     and every output of all three rounds equals the reference."""
     for n, results in enumerate(a_rounds["results"], 1):
-        _check_outputs(f"A round {n}", results, MAIN, reference)
+        check_outputs(f"A round {n}", results, MAIN, reference)
     preempted = [_counters(m)["num_preemptions"] for m in a_rounds["metrics"]]
     assert preempted[1] > 0, (
         f"vllm:num_preemptions_total after the cold round: found {preempted[1]}, "
@@ -279,7 +252,7 @@ def test_restart_loads_what_the_first_server_saved(reference, b_and_c):
     decision per hit."""
     b, _ = b_and_c
     prompts = MAIN[:128]
-    _check_outputs("B (restart)", _send(b, prompts), prompts, reference)
+    check_outputs("B (restart)", _send(b, prompts), prompts, reference)
     metrics = b.metrics()
     decisions = {
         d: metrics.labelled("vllm:npukv_load_decisions_total", decision=d)
@@ -324,7 +297,7 @@ def test_client_cancellations_leak_nothing(work, reference, b_and_c):
     before = _counters(c.metrics())
     results = _send(c, prompts, cancel=cancel, cancel_after_s=delays)
     after = _counters(c.metrics())
-    _check_outputs("C (cancel round, not cancelled)", results, prompts, reference)
+    check_outputs("C (cancel round, not cancelled)", results, prompts, reference)
     cancelled = [r for r in results if r.cancelled]
     assert len(cancelled) >= len(cancel) // 2, (
         f"only {len(cancelled)} of the {len(cancel)} planned cancellations "
@@ -337,7 +310,7 @@ def test_client_cancellations_leak_nothing(work, reference, b_and_c):
     grew = after["npukv_loaded_bytes"] - before["npukv_loaded_bytes"]
     assert grew > 0, f"C loaded nothing in the cancel round: {before} -> {after}"
     again = _send(c, prompts + MAIN[112:])
-    _check_outputs("C (after the cancel round)", again, prompts + MAIN[112:], reference)
+    check_outputs("C (after the cancel round)", again, prompts + MAIN[112:], reference)
     _wait_flushed(c, work / "cache")
 
 
@@ -360,8 +333,8 @@ def test_two_servers_at_once_on_one_directory(work, reference, b_and_c):
         )  # fmt: skip
 
     on_b, on_c = asyncio.run(both())
-    _check_outputs("B (two servers at once)", on_b, first, reference)
-    _check_outputs("C (two servers at once)", on_c, second, reference)
+    check_outputs("B (two servers at once)", on_b, first, reference)
+    check_outputs("C (two servers at once)", on_c, second, reference)
     _wait_flushed(b, work / "cache")
     _wait_flushed(c, work / "cache")
     b.stop()

@@ -25,6 +25,7 @@ pytest.importorskip("vllm", reason="served end-to-end tests need vLLM (.[vllm])"
 pytest.importorskip("aiohttp", reason="the served tests' client needs aiohttp")
 
 from tests.e2e import runs  # noqa: E402
+from tests.support.served import check_outputs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import serve_harness as sh  # noqa: E402
@@ -39,23 +40,6 @@ PROMPTS = sh.build_prompts(REQUESTS, seed=4)
 def _send(server: sh.Server) -> list[sh.Result]:
     return sh.complete(
         server.url, server.model, PROMPTS, max_tokens=MAX_TOKENS, concurrency=REQUESTS
-    )
-
-
-def _check(what: str, results: list[sh.Result], reference: list[list[int]]) -> None:
-    bad = []
-    for result in results:
-        expected = reference[result.index]
-        if result.error is not None:
-            bad.append(f"request {result.index}: error {result.error}")
-        elif result.tokens != expected:
-            bad.append(
-                f"request {result.index} ({len(PROMPTS[result.index])} prompt "
-                f"tokens): found {result.tokens}, expected {expected}"
-            )
-    assert not bad, (
-        f"{what}: {len(bad)} of {len(results)} outputs differ from the reference "
-        "server's:\n" + "\n".join(bad[:8])
     )
 
 
@@ -111,13 +95,17 @@ def test_served_outputs_equal_the_reference_cold_and_warm(tmp_path):
             results = _send(reference_server)
         failed = [r for r in results if not r.ok or len(r.tokens) != MAX_TOKENS]
         assert not failed, f"reference server: {len(failed)} bad results: {failed[:3]}"
-        reference = [r.tokens for r in results]
+        reference = {tuple(p): r.tokens for p, r in zip(PROMPTS, results, strict=True)}
 
         counters: list[dict[str, Any]] = [_counters(server)]
-        _check(f"vLLM {vllm.__version__}, cold round", _send(server), reference)
+        check_outputs(
+            f"vLLM {vllm.__version__}, cold round", _send(server), PROMPTS, reference
+        )
         counters.append(_counters(server))
         _reset_prefix_cache(server)
-        _check(f"vLLM {vllm.__version__}, warm round", _send(server), reference)
+        check_outputs(
+            f"vLLM {vllm.__version__}, warm round", _send(server), PROMPTS, reference
+        )
         counters.append(_counters(server))
     finally:
         reference_server.stop()

@@ -327,6 +327,21 @@ def test_run_reports_progress_per_step(tmp_path, spec, config):
     assert summary.chunks_after == 1
 
 
+def _rewrite(store, spec, keys, created_ns):
+    """A compaction's new chunk of ``keys``, written but not yet published:
+    (chunk id, path, size)."""
+    rows = {
+        n: arr.reshape(len(keys), -1).view(np.uint8)
+        for n, arr in block_tensors(spec, keys).items()
+    }
+    new_id = secrets.randbits(63) + 1
+    path, size = write_chunk(
+        store.dir, spec, store.namespace, new_id, keys, rows,
+        created_ns=created_ns, sync=False,
+    )  # fmt: skip
+    return new_id, path, size
+
+
 def test_a_row_whose_home_moved_during_compaction_keeps_its_new_home(
     tmp_path, spec, config
 ):
@@ -337,15 +352,7 @@ def test_a_row_whose_home_moved_during_compaction_keeps_its_new_home(
     with KVStore(config, spec) as store:
         store.put(keys, block_tensors(spec, keys))
         (old,) = store.index.iter_chunks()
-        rows = {
-            n: a.reshape(4, -1).view(np.uint8)
-            for n, a in block_tensors(spec, keys).items()
-        }
-        new_id = secrets.randbits(63) + 1
-        path, size = write_chunk(
-            store.dir, spec, store.namespace, new_id, keys, rows,
-            created_ns=old.created_ns, sync=False,
-        )  # fmt: skip
+        new_id, path, size = _rewrite(store, spec, keys, old.created_ns)
         store.index.remove_chunks([old.chunk_id])  # evicted, as a commit does
         os.unlink(store.dir.chunk_path(store.namespace, old.chunk_id))
         store.put(keys[:1], block_tensors(spec, keys[:1]))
@@ -373,15 +380,7 @@ def test_a_rewrite_whose_sources_were_evicted_meanwhile_never_grows_the_ledger(
         store.put(keys[4:], block_tensors(spec, keys[4:]))
         a, b = sorted(store.index.iter_chunks(), key=lambda c: c.keys[0] != keys[0])
         total = store.stats().total_bytes
-        rows = {
-            n: arr.reshape(8, -1).view(np.uint8)
-            for n, arr in block_tensors(spec, keys).items()
-        }
-        new_id = secrets.randbits(63) + 1
-        path, size = write_chunk(
-            store.dir, spec, store.namespace, new_id, keys, rows,
-            created_ns=a.created_ns, sync=False,
-        )  # fmt: skip
+        new_id, path, size = _rewrite(store, spec, keys, a.created_ns)
         assert size > b.size_bytes
         store.index.remove_chunks([a.chunk_id])  # evicted, as a commit does
         os.unlink(store.dir.chunk_path(store.namespace, a.chunk_id))

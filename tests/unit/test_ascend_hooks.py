@@ -69,15 +69,20 @@ def mla_config(speculative: int = 0):
     return vllm_config, kv_cache_config
 
 
-def store_mla_blocks(tmp_path):
-    """KEYS saved from SOURCE_IDS of a seeded MLA cache (CPU, bulk)."""
-    source = mla_caches(seed=1)
-    saver = make_worker(tmp_path, mla_config(), source, layerwise="off")
-    saver.bind(NPUKVMetadata(saves=[transfer(KEYS, SOURCE_IDS)]))
+def store_blocks(tmp_path, config, source, keys, block_ids) -> None:
+    """``keys`` saved from ``block_ids`` of ``source`` (CPU, bulk), flushed."""
+    saver = make_worker(tmp_path, config, source, layerwise="off")
+    saver.bind(NPUKVMetadata(saves=[transfer(keys, block_ids)]))
     saver.finish_step()
     assert saver.store is not None
     assert saver.store.flush(timeout_s=30)
     saver.close()
+
+
+def store_mla_blocks(tmp_path):
+    """KEYS saved from SOURCE_IDS of a seeded MLA cache."""
+    source = mla_caches(seed=1)
+    store_blocks(tmp_path, mla_config(), source, KEYS, SOURCE_IDS)
     return source
 
 
@@ -189,12 +194,7 @@ def test_gqa_steps_are_never_predicted_to_skip(tmp_path):
     """GQA on Ascend waits in vLLM's decorator every step: a one-token load
     step that skips the waits there is the fallback's, not the rule's."""
     keys = KEYS[:2]
-    saver = make_worker(tmp_path, engine_config(), cpu_caches(seed=4), layerwise="off")
-    saver.bind(NPUKVMetadata(saves=[transfer(keys, [3, 4])]))
-    saver.finish_step()
-    assert saver.store is not None
-    assert saver.store.flush(timeout_s=30)
-    saver.close()
+    store_blocks(tmp_path, engine_config(), cpu_caches(seed=4), keys, [3, 4])
     backend = FakeNpuBackend()
     worker = make_worker(
         tmp_path, engine_config(), cpu_caches(seed=5), backend, layerwise="on"
@@ -217,12 +217,7 @@ def test_decode_graphs_skip_every_models_waits(tmp_path, mode, skipped_is_safe):
 
     keys = KEYS[:2]
     source = cpu_caches(seed=7)
-    saver = make_worker(tmp_path, engine_config(), source, layerwise="off")
-    saver.bind(NPUKVMetadata(saves=[transfer(keys, [3, 4])]))
-    saver.finish_step()
-    assert saver.store is not None
-    assert saver.store.flush(timeout_s=30)
-    saver.close()
+    store_blocks(tmp_path, engine_config(), source, keys, [3, 4])
     config = engine_config()
     config[0].compilation_config = SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode])
     backend = FakeNpuBackend()
