@@ -26,9 +26,10 @@
 
 /* The row loop compiled for AVX2 (checksum_avx2.c), picked at import where
  * the CPU has it: xxh3 then hashes about twice as fast as with the SSE2
- * baseline (20 against 11 GB/s in L2 on this VM). An AVX-512 build hashed at
- * 30 GB/s in L2 but read cached chunks no faster (docs/decisions/0020), so it is
- * not built: on some Xeons its frequency drop slows the serving threads too. */
+ * baseline (20 against 11 GB/s in L2 on the `vm` host, a 2-core x86-64 VM:
+ * docs/RESULTS.md). An AVX-512 build hashed at 30 GB/s in L2 but read cached
+ * chunks no faster (docs/decisions/0020), so it is not built: on some Xeons
+ * its frequency drop slows the serving threads too. */
 typedef void (*nkv_hash_rows_fn)(const Py_buffer *, Py_ssize_t, Py_ssize_t,
                                  unsigned char *);
 typedef void (*nkv_hash_range_fn)(XXH3_state_t *, const char *, size_t, size_t,
@@ -180,7 +181,7 @@ done:
  * each piece is read into an L2-sized bounce buffer, hashed there, and
  * streamed to its destination: the kernel's copy then writes into cache-hot
  * memory, and no destination line is read before it is written. 0.213 against
- * 0.25 CPU s per GB from the page cache on this VM (docs/decisions/0021).
+ * 0.25 CPU s per GB from the page cache on the `vm` host (docs/decisions/0021).
  * Smaller parts are read straight into place, where the caller may want them
  * in cache. */
 #define NKV_STREAM_MIN_BYTES NKV_PREAD_PIECE_BYTES

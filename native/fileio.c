@@ -13,7 +13,7 @@
  * its pages the page cache holds. The reader sends ranges the cache does not
  * hold to O_DIRECT reads and reads cached ones on its verifier threads. Asked
  * with cachestat(2) (Linux 6.5), which counts in the kernel's page-cache tree:
- * 66 against 727 us for mincore over a cached 64 MiB chunk on this VM
+ * 66 against 727 us for mincore over a cached 64 MiB chunk on the `vm` host
  * (docs/decisions/0020). Where cachestat is missing or filtered (ENOSYS,
  * EPERM from a seccomp profile), the counts come from page_residency's
  * mincore, and cachestat is not tried again.

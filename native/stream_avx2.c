@@ -3,10 +3,11 @@
  * the bounce buffer, and copy_runs' threaded copies (blocks staged into the
  * ring, which the disk reads next). The destination's lines go to memory
  * without being read first (no read-for-ownership): 7.5 against 11.4 ms per
- * 64 MiB on one core of this VM. glibc streams only above a threshold of tens
- * of megabytes per call, and these copies come in pieces of 256 KiB to 1 MiB,
- * hence this loop (docs/decisions/0021). Picked at run time with the xxh3
- * kernel (checksum.c), only where the CPU has AVX2. */
+ * 64 MiB on one core of the `vm` host (a 2-core x86-64 VM: docs/RESULTS.md).
+ * glibc streams only above a threshold of tens of megabytes per call, and
+ * these copies come in pieces of 256 KiB to 1 MiB, hence this loop
+ * (docs/decisions/0021). Picked at run time with the xxh3 kernel
+ * (checksum.c), only where the CPU has AVX2. */
 #include "nkv.h"
 
 #ifdef NKV_HAVE_STREAM_AVX2

@@ -93,8 +93,31 @@ def _parse_number(value: object, key: str, kind: type[int] | type[float]) -> Any
         ) from None
 
 
-def _doc(text: str) -> dict[str, str]:
-    return {"doc": text}
+def _doc(
+    text: str,
+    *,
+    section: str = "store",
+    choices: tuple[str, ...] = (),
+    unit: str = "",
+) -> dict[str, object]:
+    """One key's entry in the configuration reference.
+
+    docs/guide/configuration.md is rendered from these entries
+    (``python -m npukv_store.config_reference --write``), and a test fails when
+    the committed page differs, so the field docs are the one place to say what
+    a key does.
+
+    Args:
+        text: what the key does, its units and what each value means.
+        section: the reference section: ``store`` (any store handle),
+            ``connector`` (read by the vLLM connector only) or ``remote`` (the
+            tier behind the local store).
+        choices: the accepted strings, for a key that takes one of them (the
+            reference's test checks that ``__post_init__`` accepts exactly these).
+        unit: what a number counts; ``bytes`` marks a size, given as an int or a
+            string such as ``64MiB``.
+    """
+    return {"doc": text, "section": section, "choices": choices, "unit": unit}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,24 +128,53 @@ class StoreConfig:
     the directory marker and the chunk metadata and are checked on open.
     """
 
-    cache_dir: str = field(metadata=_doc("Cache directory shared by all processes."))
+    cache_dir: str = field(
+        metadata=_doc(
+            "Cache directory shared by all processes (servers, TP ranks, the "
+            "maintenance job), created at the first open. A non-empty directory "
+            "without the cache's marker is refused (docs/decisions/0007)."
+        )
+    )
     capacity: int = field(
         default=parse_size("500GiB"),
-        metadata=_doc("Bytes of chunk files allowed in cache_dir, for all processes."),
+        metadata=_doc(
+            "Bytes of chunk files allowed in cache_dir, for all processes "
+            "together: a commit that needs room evicts the least recently used "
+            "chunks. Sizing it: docs/guide/operations.md.",
+            unit="bytes",
+        ),
     )
     ring_size: int = field(
         default=parse_size("1GiB"),
-        metadata=_doc("Bytes of the shared-memory staging ring per worker process."),
+        metadata=_doc(
+            "Bytes of the shared-memory staging ring per worker process (per "
+            "store handle that saves with put_async), in /dev/shm, which is "
+            "RAM. A full ring drops a save and counts it; a save never waits. "
+            "Sizing it: docs/guide/operations.md.",
+            unit="bytes",
+        ),
     )
     chunk_target_size: int = field(
         default=parse_size("64MiB"),
-        metadata=_doc("Bytes a chunk file aims for; saves are batched up to it."),
+        metadata=_doc(
+            "Bytes a chunk file aims for; saves are batched up to it.", unit="bytes"
+        ),
     )
     io_engine: str = field(
-        default="auto", metadata=_doc("I/O backend: auto, uring or threads.")
+        default="auto",
+        metadata=_doc(
+            "I/O backend: auto (io_uring where the kernel allows it, else "
+            "threads), uring or threads.",
+            choices=("auto", "uring", "threads"),
+        ),
     )
     io_queue_depth: int = field(
-        default=16, metadata=_doc("I/O requests kept in flight per reader thread.")
+        default=16,
+        metadata=_doc(
+            "I/O requests kept in flight per reader thread, and by the writer "
+            "(1 to 4096).",
+            unit="requests",
+        ),
     )
     direct_io: bool = field(
         default=True,
@@ -134,22 +186,48 @@ class StoreConfig:
     )
     fsync: str = field(
         default="chunk",
-        metadata=_doc("chunk: fsync each chunk before publishing it; never: don't."),
+        metadata=_doc(
+            "chunk: fsync each chunk file before the rename that publishes it, "
+            "then its directory, and sync each index commit; never: no fsync "
+            "(a process crash is still safe, a power loss may lose chunks in "
+            "flight or the index; docs/guide/operations.md).",
+            choices=("chunk", "never"),
+        ),
     )
     verify: str = field(
         default="always",
         metadata=_doc(
-            "always: check block checksums on every read; never: trust disk."
+            "always: check block checksums on every read; never: trust disk.",
+            choices=("always", "never"),
         ),
     )
     layerwise: str = field(
-        default="auto", metadata=_doc("Per-layer save/load: auto, on or off.")
+        default="auto",
+        metadata=_doc(
+            "Per-layer save and load: on, off, or auto, which starts in bulk and "
+            "turns layerwise once it has seen vLLM call the layer hooks for "
+            "every layer; on the CPU, where nothing overlaps, auto stays in bulk "
+            "(docs/decisions/0034).",
+            section="connector",
+            choices=("auto", "on", "off"),
+        ),
     )
     prefetch_depth: int = field(
-        default=2, metadata=_doc("Layers read ahead of the layer being computed.")
+        default=2,
+        metadata=_doc(
+            "Layers whose reads run at once, ahead of the layer being computed "
+            "(layerwise loads; docs/decisions/0043).",
+            section="connector",
+            unit="layers",
+        ),
     )
     save_decode: bool = field(
-        default=False, metadata=_doc("Also save blocks generated during decode.")
+        default=False,
+        metadata=_doc(
+            "Also save the blocks generated during decode, each in the step that "
+            "fills it.",
+            section="connector",
+        ),
     )
     load_without_prefix_caching: bool = field(
         default=False,
@@ -158,18 +236,23 @@ class StoreConfig:
             "it off where the attention backend cannot reuse context (e.g. MLA "
             "on the CPU, whose prefill and decode paths disagree), and a load "
             "would then change the output; only set this for a backend known "
-            "to compute a continued prefill exactly as a full one."
+            "to compute a continued prefill exactly as a full one "
+            "(docs/decisions/0039).",
+            section="connector",
         ),
     )
     load_policy: str = field(
         default="auto",
         metadata=_doc(
-            "Which hits are loaded: auto (only a prefix whose load the measured "
-            "bandwidth says finishes within (1 + load_margin) times its "
-            "recompute, from measured prefill throughput; every hit until a few "
-            "loads and steps are measured) or always (every hit). A declined "
-            "hit is recomputed: this changes time, never outputs "
-            "(docs/decisions/0024)."
+            "Which hits are loaded. auto: only the part of a hit whose load the "
+            "measured bandwidth says finishes within (1 + load_margin) times its "
+            "recompute at the measured prefill speed: all of it, its "
+            "page-cached head, or none (recomputed instead); every hit until 4 "
+            "loads and 8 steps are measured, and one probe every 5 s while "
+            "declining. always: every hit. A declined hit is recomputed: this "
+            "changes time, never outputs (docs/decisions/0024).",
+            section="connector",
+            choices=("auto", "always"),
         ),
     )
     load_margin: float = field(
@@ -177,7 +260,9 @@ class StoreConfig:
         metadata=_doc(
             "auto: a hit is still loaded when its load is expected to take up "
             "to this much longer than its recompute (a load frees compute for "
-            "the other requests of the batch; estimates are noisy)."
+            "the other requests of the batch; estimates are noisy).",
+            section="connector",
+            unit="ratio",
         ),
     )
     sliding_save: str = field(
@@ -186,7 +271,11 @@ class StoreConfig:
             "Blocks of a sliding-window KV cache group that are saved: all "
             "(any prefix of a stored prompt is a hit) or tails (only the window "
             "before each prompt's end and before each shared-prefix junction: "
-            "fewer bytes, but a prefix shared at a new point misses once)."
+            "44% fewer bytes for a tiny Gemma3's 1,000-token prompt, far more "
+            "for long prompts, but a prefix shared at a new point misses once; "
+            "docs/decisions/0040).",
+            section="connector",
+            choices=("all", "tails"),
         ),
     )
     namespace_extra: str = field(
@@ -194,16 +283,26 @@ class StoreConfig:
     )
     index_map_size: int = field(
         default=parse_size("8GiB"),
-        metadata=_doc("Bytes of address space reserved for the LMDB index (sparse)."),
+        metadata=_doc(
+            "Bytes of address space reserved for the LMDB index (sparse; at "
+            "least 1MiB).",
+            unit="bytes",
+        ),
     )
     evict_grace_s: float = field(
         default=5.0,
-        metadata=_doc("Seconds after a touch during which eviction prefers others."),
+        metadata=_doc(
+            "Seconds after its last use during which a chunk is not evicted; a "
+            "commit that finds only such chunks to make room with is refused "
+            "(the servers count rejected_blocks).",
+            unit="seconds",
+        ),
     )
     tmp_max_age_s: float = field(
         default=3600.0,
         metadata=_doc(
-            "Seconds after which a tmp/ file is garbage even if its pid lives."
+            "Seconds after which a tmp/ file is garbage even if its pid lives.",
+            unit="seconds",
         ),
     )
 
@@ -212,54 +311,81 @@ class StoreConfig:
         metadata=_doc(
             "The tier behind the local store: none, or mooncake (Mooncake Store, "
             "shared by the nodes that name the same mooncake_master; "
-            "docs/decisions/0055)."
+            "docs/guide/remote-tier.md, docs/decisions/0055).",
+            section="remote",
+            choices=("none", "mooncake"),
         ),
     )
     mooncake_master: str = field(
         default="",
-        metadata=_doc("HOST:PORT of mooncake_master's RPC (remote_store: mooncake)."),
+        metadata=_doc(
+            "HOST:PORT of mooncake_master's RPC; required with remote_store: "
+            "mooncake. Name it by an address every node uses, never 127.0.0.1 "
+            "on the master's own node when other nodes join.",
+            section="remote",
+        ),
     )
     mooncake_metadata: str = field(
         default="P2PHANDSHAKE",
         metadata=_doc(
             "Mooncake's metadata server: P2PHANDSHAKE (none needed), or a URL "
-            "such as http://HOST:PORT/metadata."
+            "such as http://HOST:PORT/metadata.",
+            section="remote",
         ),
     )
     mooncake_protocol: str = field(
         default="tcp",
-        metadata=_doc("Mooncake transfer protocol: tcp, rdma or ascend."),
+        metadata=_doc(
+            "Mooncake transfer protocol: tcp, rdma or ascend (rdma and ascend "
+            "untested here).",
+            section="remote",
+            choices=("tcp", "rdma", "ascend"),
+        ),
     )
     mooncake_device: str = field(
         default="",
         metadata=_doc(
             "RDMA devices for protocol rdma (e.g. mlx5_0,mlx5_1); empty: "
-            "Mooncake's choice."
+            "Mooncake's choice.",
+            section="remote",
         ),
     )
     mooncake_segment_size: int = field(
         default=parse_size("1GiB"),
         metadata=_doc(
-            "Bytes of host memory this process contributes to Mooncake's pool "
-            "(0: none; values then live in other nodes' segments)."
+            "Bytes of host memory this process contributes to Mooncake's pool: "
+            "0 (none; values then live in other processes' segments) or at "
+            "least 16MiB. Every process with the tier lends one: the EngineCore "
+            "and each worker process (docs/caveats.md).",
+            section="remote",
+            unit="bytes",
         ),
     )
     mooncake_local_buffer: int = field(
         default=parse_size("64MiB"),
-        metadata=_doc("Bytes of Mooncake's own transfer buffer in this process."),
+        metadata=_doc(
+            "Bytes of Mooncake's own transfer buffer in this process (at least 1MiB).",
+            section="remote",
+            unit="bytes",
+        ),
     )
     remote_timeout_ms: float = field(
         default=20.0,
         metadata=_doc(
             "The longest a scheduler step waits for the remote tier's lookups, "
-            "in all; what is not answered by then is a local-only hit."
+            "all of them together, in (0, 60000]. A request whose answer is not "
+            "back is asked again in the next step, for up to 3 steps, and then "
+            "served with its local hit only.",
+            section="remote",
+            unit="milliseconds",
         ),
     )
     remote_promote: bool = field(
         default=True,
         metadata=_doc(
             "Write blocks loaded from the remote tier into the local store, so "
-            "that the next hit on them is local."
+            "that the next hit on them is local.",
+            section="remote",
         ),
     )
 

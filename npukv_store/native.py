@@ -262,7 +262,7 @@ def copy_ptrs(
 # failed call raises RuntimeError after the runs before it are enqueued.
 # Unlike the entry points above they look IMPL up when called, as io/uring.py
 # does for Uring: a test sets IMPL to None to see what the twin's process sees
-# (tests/unit/test_device.py), and a registration or a batch costs far more
+# (tests/device/test_device.py), and a registration or a batch costs far more
 # than the lookup.
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from npukv_store.maintenance import main
+from npukv_store.cli.compact import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], prog="compact.py"))

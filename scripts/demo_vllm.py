@@ -26,20 +26,28 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-HARNESS = str(ROOT / "scripts" / "vllm_harness.py")
+#: the vLLM harness, run as ``python -m HARNESS`` with ROOT on PYTHONPATH
+HARNESS = "bench.harness.vllm_run"
+
+
+def harness_env(**overrides: str) -> dict[str, str]:
+    """This environment with the repository root first on PYTHONPATH (the
+    harness is the ``bench`` package's, beside this script's folder)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PYTHONPATH=path, **overrides)
 
 
 def run_vllm(work: Path, name: str, prompts: list[list[int]], cache: Path) -> Any:
     (work / f"{name}.prompts.json").write_text(json.dumps(prompts))
     config = {"cache_dir": str(cache), "capacity": "4GiB", "ring_size": "512MiB"}
     cmd = [
-        sys.executable, HARNESS, "run", "--model", str(work / "model"),
+        sys.executable, "-m", HARNESS, "run", "--model", str(work / "model"),
         "--prompts", str(work / f"{name}.prompts.json"),
         "--out", str(work / f"{name}.json"), "--max-tokens", "16", "--ttft",
         "--max-model-len", "4096", "--connector", "npukv",
         "--extra", json.dumps(config),
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = harness_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     print(f"[{name}] starting vLLM (log: {work / (name + '.log')})", flush=True)
     with open(work / f"{name}.log", "wb") as log:
         rc = subprocess.run(
@@ -62,9 +70,9 @@ def main() -> int:
     shutil.rmtree(cache, ignore_errors=True)
     print("building a random-weight Llama (8 layers, hidden 512, fp32) ...", flush=True)
     subprocess.run(
-        [sys.executable, HARNESS, "build-model", str(work / "model"), "--layers", "8",
-         "--hidden", "512", "--heads", "8", "--kv-heads", "8"],
-        check=True, capture_output=True,
+        [sys.executable, "-m", HARNESS, "build-model", str(work / "model"),
+         "--layers", "8", "--hidden", "512", "--heads", "8", "--kv-heads", "8"],
+        check=True, capture_output=True, env=harness_env(),
     )  # fmt: skip
     rng = random.Random(2026)
     prompt_a = [rng.randrange(3, 2048) for _ in range(args.prompt_tokens)]

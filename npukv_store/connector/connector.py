@@ -28,10 +28,10 @@ from npukv_store.config import StoreConfig
 from npukv_store.connector import vllm_api
 from npukv_store.connector.metadata import NPUKVMetadata, NPUKVWorkerMetadata
 from npukv_store.connector.prometheus import NPUKVPromMetrics
-from npukv_store.connector.scheduler import SchedulerSide
+from npukv_store.connector.scheduler.side import SchedulerSide
 from npukv_store.connector.stats import NPUKVStats
 from npukv_store.connector.vllm_api import TransferResults
-from npukv_store.connector.worker import WorkerSide
+from npukv_store.connector.worker.side import WorkerSide
 from npukv_store.errors import NpuKVError
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,8 @@ window and position are in the fingerprint: two layouts that differ only by
 their group structure never share a block.
 
 Each layer is stored as one part ``page``: the block's bytes, all of the
-device runs of the layer concatenated (see :mod:`npukv_store.layout`).
+device runs of the layer concatenated (see
+:mod:`npukv_store.connector.worker.pages`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ class EngineKV:
     @property
     def hybrid(self) -> bool:
         return len(self.groups) > 1
+
+    @property
+    def full_attention_only(self) -> bool:
+        """Whether the remote tier serves this engine: its lookups follow
+        full-attention chains only (:mod:`.scheduler.hits`), so blocks of
+        sliding-window groups there would be found by no one."""
+        return all(group.kind == "full" for group in self.groups)
 
     def rank_specs(self, rank: int) -> tuple[NamespaceSpec, ...]:
         return self.specs[rank if len(self.specs) > 1 else 0]

@@ -74,6 +74,42 @@ _GBPS_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
 _WAIT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
+#: stats key -> (kind, documentation, buckets) of the metrics of one value
+#: each (named vllm:npukv_<key>): a histogram takes each positive value, a
+#: gauge is set whenever the key is sent
+MEASURED: dict[str, tuple[str, str, list[float] | None]] = {
+    "load_wait_seconds": (
+        "histogram",
+        "Seconds a step's forward waited for its loads "
+        "(per step that loaded; the slowest worker).",
+        _WAIT_BUCKETS,
+    ),
+    "remote_wait_seconds": (
+        "histogram",
+        "Seconds a scheduler step spent asking the "
+        "remote tier (per step that asked; bounded by remote_timeout_ms).",
+        _WAIT_BUCKETS,
+    ),
+    "ring_used_bytes": (
+        "gauge",
+        "Bytes of the staging rings held by saves not yet "
+        "on disk (the largest over workers).",
+        None,
+    ),
+    "remote_up": (
+        "gauge",
+        "1 while the remote tier answers, 0 while its "
+        "circuit breaker is open (sent when it changes).",
+        None,
+    ),
+}
+#: (what, bytes key, seconds key) of the bandwidth histograms vllm:npukv_<what>_gbps
+RATES = (
+    ("load", "loaded_bytes", "load_seconds"),
+    ("save", "saved_bytes", "save_seconds"),
+)
+
+
 class NPUKVPromMetrics(KVConnectorPromMetrics):
     """The ``vllm:npukv_*`` metrics of one server (one child per engine)."""
 
@@ -90,51 +126,37 @@ class NPUKVPromMetrics(KVConnectorPromMetrics):
         counter: Any = self._counter_cls
         histogram: Any = self._histogram_cls
         gauge: Any = self._gauge_cls
-        self.counters: dict[str, dict[int, Any]] = {
-            key: create_metric_per_engine(
-                counter(
-                    name=f"vllm:npukv_{key}", documentation=doc, labelnames=labelnames
-                ),
-                engines,
+        self.counters: dict[str, dict[int, Any]] = {}
+        for key, doc in COUNTED.items():
+            metric = counter(
+                name=f"vllm:npukv_{key}", documentation=doc, labelnames=labelnames
             )
-            for key, doc in COUNTED.items()
-        }
-        self.rates: dict[tuple[str, str], dict[int, Any]] = {
-            (nbytes, seconds): create_metric_per_engine(
-                histogram(
-                    name=f"vllm:npukv_{what}_gbps",
-                    documentation=f"{what.title()} bandwidth per step that {what}ed "
-                    "blocks, in GB/s (bytes over the time the step's transfers took).",
-                    buckets=_GBPS_BUCKETS,
-                    labelnames=labelnames,
-                ),
-                engines,
-            )
-            for what, nbytes, seconds in (
-                ("load", "loaded_bytes", "load_seconds"),
-                ("save", "saved_bytes", "save_seconds"),
-            )
-        }
-        self.load_wait: dict[int, Any] = create_metric_per_engine(
-            histogram(
-                name="vllm:npukv_load_wait_seconds",
-                documentation="Seconds a step's forward waited for its loads "
-                "(per step that loaded; the slowest worker).",
-                buckets=_WAIT_BUCKETS,
+            self.counters[key] = create_metric_per_engine(metric, engines)
+        self.rates: dict[tuple[str, str], dict[int, Any]] = {}
+        for what, nbytes, seconds in RATES:
+            metric = histogram(
+                name=f"vllm:npukv_{what}_gbps",
+                documentation=f"{what.title()} bandwidth per step that {what}ed "
+                "blocks, in GB/s (bytes over the time the step's transfers took).",
+                buckets=_GBPS_BUCKETS,
                 labelnames=labelnames,
-            ),
-            engines,
-        )
-        self.remote_wait: dict[int, Any] = create_metric_per_engine(
-            histogram(
-                name="vllm:npukv_remote_wait_seconds",
-                documentation="Seconds a scheduler step spent asking the "
-                "remote tier (per step that asked; bounded by remote_timeout_ms).",
-                buckets=_WAIT_BUCKETS,
-                labelnames=labelnames,
-            ),
-            engines,
-        )
+            )
+            self.rates[nbytes, seconds] = create_metric_per_engine(metric, engines)
+        self.histograms: dict[str, dict[int, Any]] = {}
+        self.gauges: dict[str, dict[int, Any]] = {}
+        for key, (kind, doc, buckets) in MEASURED.items():
+            name = f"vllm:npukv_{key}"
+            if kind == "histogram":
+                metric = histogram(
+                    name=name, documentation=doc, buckets=buckets, labelnames=labelnames
+                )
+                self.histograms[key] = create_metric_per_engine(metric, engines)
+            else:
+                metric = gauge(
+                    name=name, documentation=doc, labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                )  # fmt: skip
+                self.gauges[key] = create_metric_per_engine(metric, engines)
         decisions = counter(
             name="vllm:npukv_load_decisions",
             documentation="The load policy's decisions on hits: load (all of "
@@ -146,26 +168,6 @@ class NPUKVPromMetrics(KVConnectorPromMetrics):
             idx: {d: decisions.labels(*values, d) for d in DECIDED}
             for idx, values in engines.items()
         }
-        self.ring_used: dict[int, Any] = create_metric_per_engine(
-            gauge(
-                name="vllm:npukv_ring_used_bytes",
-                documentation="Bytes of the staging rings held by saves not yet "
-                "on disk (the largest over workers).",
-                labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-            ),
-            engines,
-        )
-        self.remote_up: dict[int, Any] = create_metric_per_engine(
-            gauge(
-                name="vllm:npukv_remote_up",
-                documentation="1 while the remote tier answers, 0 while its "
-                "circuit breaker is open (sent when it changes).",
-                labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-            ),
-            engines,
-        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data or {}
@@ -179,11 +181,9 @@ class NPUKVPromMetrics(KVConnectorPromMetrics):
         for decision, key in DECIDED.items():
             if data.get(key, 0):
                 self.decisions[engine_idx][decision].inc(data[key])
-        if data.get("load_wait_seconds", 0) > 0:
-            self.load_wait[engine_idx].observe(data["load_wait_seconds"])
-        if data.get("remote_wait_seconds", 0) > 0:
-            self.remote_wait[engine_idx].observe(data["remote_wait_seconds"])
-        if "ring_used_bytes" in data:
-            self.ring_used[engine_idx].set(data["ring_used_bytes"])
-        if "remote_up" in data:
-            self.remote_up[engine_idx].set(data["remote_up"])
+        for key, metric in self.histograms.items():
+            if data.get(key, 0) > 0:
+                metric[engine_idx].observe(data[key])
+        for key, metric in self.gauges.items():
+            if key in data:
+                metric[engine_idx].set(data[key])

@@ -25,7 +25,7 @@ COUNTERS = (
     "skipped_blocks",
     "dropped_blocks",
     # the load policy's decisions, one per hit it was asked about
-    # (connector/load_policy.py), and the hit tokens it chose to recompute
+    # (connector/scheduler/load_policy.py), and the hit tokens it chose to recompute
     "decided_load",
     "decided_shorter",
     "decided_recompute",

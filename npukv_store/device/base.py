@@ -9,7 +9,8 @@ Runs in: any worker thread, after ``DeviceBackend.bind_thread()`` in that thread
     REGISTER_CHUNK_BYTES - the largest range registered in one call
 
 Layout (which bytes of which block) is device-independent and lives in
-``npukv_store.layout``; a backend only moves ``(src_ptr, dst_ptr, nbytes)`` runs.
+``npukv_store.connector.worker.pages``; a backend only moves
+``(src_ptr, dst_ptr, nbytes)`` runs.
 No backend module is imported here: ``npukv_store.device.get_backend`` imports
 the one for the device at hand, so nothing NPU-specific loads without
 ``torch.npu``.

@@ -8,7 +8,7 @@ Runs in: worker threads that have called bind_thread() (torch.cuda.set_device).
     CudaBackend.copy_runs()     - vllm._custom_ops.swap_blocks_batch on the
                                   stream when vLLM has loaded it, else the C
                                   extension's cudaMemcpyAsync loop on the raw
-                                  stream (kind 1 H2D, 2 D2H)
+                                  stream (:mod:`.torch_backend`)
 
 vLLM's op is only used when ``vllm._custom_ops`` is already imported (it is in a
 vLLM worker): importing vLLM here would break the rule that nothing below the
@@ -21,23 +21,17 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 
 from npukv_store import native
-from npukv_store.device.base import Direction, Event, Kind, Stream, as_runs
-from npukv_store.device.host import (
-    HostRange,
-    Registrar,
-    alloc_pinned,
-    register_chunked,
-)
-from npukv_store.device.streams import TorchEvent, TorchStream
+from npukv_store.device.base import Kind, Stream
+from npukv_store.device.host import HostRange, Registrar, register_chunked
+from npukv_store.device.streams import TorchStream
+from npukv_store.device.torch_backend import TorchBackend
 
-_MEMCPY_KIND = {"h2d": 1, "d2h": 2}  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
 _RAW = "cuda_stream"
 _HOST_REGISTER_DEFAULT = 0  # cudaHostRegisterDefault, as vLLM registers
 
@@ -48,43 +42,37 @@ def _vllm_swap() -> Callable[..., None] | None:
     return swap
 
 
-class CudaBackend:
+class CudaBackend(TorchBackend):
     """DeviceBackend for one CUDA device."""
 
     kind: Kind = "cuda"
 
     def __init__(self, index: int) -> None:
         self.device = torch.device("cuda", index)
-        self._cuda: Any = torch.cuda  # partly untyped (Stream, Event, cudart)
+        self._accel = torch.cuda  # partly untyped (Stream, Event, cudart)
         self._swap = _vllm_swap()
 
     def bind_thread(self) -> None:
-        self._cuda.set_device(self.device)
+        self._accel.set_device(self.device)
 
     def current_stream(self) -> Stream:
-        return TorchStream(self._cuda.current_stream(self.device), _RAW)
+        return TorchStream(self._accel.current_stream(self.device), _RAW)
 
     def new_stream(self) -> Stream:
         # priority_range() is (lowest, highest); vLLM's offload worker takes the
         # lowest "so KV cache I/O yields to compute streams" (docs/device.md §1.2).
         # DMA copies are not scheduled by stream priority anyway.
-        lowest = self._cuda.Stream.priority_range()[0]
-        return TorchStream(self._cuda.Stream(device=self.device, priority=lowest), _RAW)
-
-    def stream_ctx(self, s: Stream) -> AbstractContextManager[None]:
-        assert isinstance(s, TorchStream)
-        ctx: AbstractContextManager[None] = self._cuda.stream(s.torch)
-        return ctx
-
-    def new_event(self, timing: bool = False) -> Event:
-        return TorchEvent(self._cuda.Event(enable_timing=timing))
+        lowest = self._accel.Stream.priority_range()[0]
+        return TorchStream(
+            self._accel.Stream(device=self.device, priority=lowest), _RAW
+        )
 
     def synchronize(self) -> None:
-        self._cuda.synchronize(self.device)
+        self._accel.synchronize(self.device)
 
     def register_host(self, ptr: int, nbytes: int) -> HostRange:
         self.bind_thread()  # flags 0 registers for the current device's context
-        cudart_of = self._cuda.cudart  # called inside: what it raises is a refusal
+        cudart_of = self._accel.cudart  # called inside: what it raises is a refusal
 
         def register(chunk_ptr: int, chunk_nbytes: int) -> int:
             cudart = cudart_of()
@@ -107,33 +95,10 @@ class CudaBackend:
         registrar = Registrar("cudaHostRegister", register, unregister)
         return register_chunked(ptr, nbytes, [registrar], "cuda host registration")
 
-    def is_host_registered(self, t: torch.Tensor) -> bool:
-        try:
-            return bool(t.is_pinned())
-        except Exception:  # doubt means "not registered" (the protocol's promise)
-            return False
-
-    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
-        return alloc_pinned(nbytes)
-
-    def copy_runs(
-        self,
-        src_ptrs: np.ndarray,
-        dst_ptrs: np.ndarray,
-        sizes: np.ndarray,
-        direction: Direction,
-        stream: Stream,
+    def _memcpy_batch(
+        self, src: np.ndarray, dst: np.ndarray, size: np.ndarray, kind: int, raw: int
     ) -> None:
-        src, dst, size = as_runs(src_ptrs, dst_ptrs, sizes, direction)
-        assert isinstance(stream, TorchStream)
-        if self._swap is not None:
-            with self._cuda.stream(stream.torch):  # the op copies on the current stream
-                self._swap(
-                    torch.from_numpy(src), torch.from_numpy(dst), torch.from_numpy(size)
-                )
-            return
-        kind = _MEMCPY_KIND[direction]
-        native.cuda_memcpy_batch(src, dst, size, kind, stream.raw_handle())
+        native.cuda_memcpy_batch(src, dst, size, kind, raw)
 
 
 def _clear_last_error(cudart: Any) -> None:

@@ -25,26 +25,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 
 from npukv_store import native
-from npukv_store.device.base import Direction, Event, Kind, Stream, as_runs
-from npukv_store.device.host import (
-    HostRange,
-    Registrar,
-    alloc_pinned,
-    register_chunked,
-)
-from npukv_store.device.streams import TorchEvent, TorchStream
+from npukv_store.device.base import Direction, Kind, Stream
+from npukv_store.device.host import HostRange, Registrar, register_chunked
+from npukv_store.device.streams import TorchStream
+from npukv_store.device.torch_backend import TorchBackend
 
 logger = logging.getLogger(__name__)
 
 ACL_HOST_REG_PINNED = 0x10000000  # acl_rt.h; add 0x2 (MAPPED) only for device reads
-_MEMCPY_KIND = {"h2d": 1, "d2h": 2}  # ACL_MEMCPY_HOST_TO_DEVICE, _DEVICE_TO_HOST
 _SWAP_DIRECTION = {"h2d": 0, "d2h": 1}  # vllm-ascend swap_blocks_batch
 _RAW = "npu_stream"
 
@@ -59,14 +53,14 @@ def _ascend_swap() -> Callable[..., None] | None:
     return swap
 
 
-class NpuBackend:
+class NpuBackend(TorchBackend):
     """DeviceBackend for one Ascend NPU (``torch.npu`` must exist)."""
 
     kind: Kind = "npu"
 
     def __init__(self, index: int) -> None:
         torch_any: Any = torch
-        self._npu: Any = torch_any.npu
+        self._accel = torch_any.npu
         self.index = index
         self._swap = _ascend_swap()
 
@@ -75,25 +69,17 @@ class NpuBackend:
         return torch.device("npu", self.index)
 
     def bind_thread(self) -> None:
-        self._npu.set_device(self.index)
+        self._accel.set_device(self.index)
 
     def current_stream(self) -> Stream:
-        return TorchStream(self._npu.current_stream(self.index), _RAW)
+        return TorchStream(self._accel.current_stream(self.index), _RAW)
 
     def new_stream(self) -> Stream:
         # no priority: vllm-ascend reports Stream.priority_range() unsupported
-        return TorchStream(self._npu.Stream(device=self.index), _RAW)
-
-    def stream_ctx(self, s: Stream) -> AbstractContextManager[None]:
-        assert isinstance(s, TorchStream)
-        ctx: AbstractContextManager[None] = self._npu.stream(s.torch)
-        return ctx
-
-    def new_event(self, timing: bool = False) -> Event:
-        return TorchEvent(self._npu.Event(enable_timing=timing))
+        return TorchStream(self._accel.Stream(device=self.index), _RAW)
 
     def synchronize(self) -> None:
-        self._npu.synchronize(self.index)
+        self._accel.synchronize(self.index)
 
     def register_host(self, ptr: int, nbytes: int) -> HostRange:
         self.bind_thread()  # ACL registers for the calling thread's device
@@ -108,7 +94,7 @@ class NpuBackend:
         )
 
     def _device_name(self) -> str:
-        get_name = getattr(self._npu, "get_device_name", None)
+        get_name = getattr(self._accel, "get_device_name", None)
         try:
             return str(get_name(self.index)) if get_name is not None else ""
         except Exception:  # only used to skip 310P: an unknown name is not 310P
@@ -116,8 +102,8 @@ class NpuBackend:
 
     def _registrars(self) -> list[Registrar]:
         registrars = []
-        if hasattr(self._npu, "npurt"):
-            npurt = self._npu.npurt  # called inside: what it raises is a refusal
+        if hasattr(self._accel, "npurt"):
+            npurt = self._accel.npurt  # called inside: what it raises is a refusal
             registrars.append(
                 Registrar(
                     "torch.npu.npurt().npuHostRegister",
@@ -145,35 +131,10 @@ class NpuBackend:
 
         return call
 
-    def is_host_registered(self, t: torch.Tensor) -> bool:
-        # is_pinned() asks aclrtPointerGetAttributes, reported to fail on
-        # non-ACL host memory (Mooncake #4046): doubt means "not registered".
-        try:
-            return bool(t.is_pinned())
-        except Exception:
-            return False
-
-    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
-        return alloc_pinned(nbytes)  # torch_npu's host allocator
-
-    def copy_runs(
-        self,
-        src_ptrs: np.ndarray,
-        dst_ptrs: np.ndarray,
-        sizes: np.ndarray,
-        direction: Direction,
-        stream: Stream,
+    def _memcpy_batch(
+        self, src: np.ndarray, dst: np.ndarray, size: np.ndarray, kind: int, raw: int
     ) -> None:
-        src, dst, size = as_runs(src_ptrs, dst_ptrs, sizes, direction)
-        assert isinstance(stream, TorchStream)
-        if self._swap is not None:
-            with self._npu.stream(stream.torch):  # the op copies on the current stream
-                self._swap(
-                    torch.from_numpy(src),
-                    torch.from_numpy(dst),
-                    torch.from_numpy(size),
-                    _SWAP_DIRECTION[direction],
-                )
-            return
-        kind = _MEMCPY_KIND[direction]
-        native.acl_memcpy_batch(src, dst, size, kind, stream.raw_handle())
+        native.acl_memcpy_batch(src, dst, size, kind, raw)
+
+    def _swap_args(self, direction: Direction) -> tuple[int, ...]:
+        return (_SWAP_DIRECTION[direction],)

@@ -6,7 +6,7 @@ Runs in: any process; one engine per user (not shared between threads).
     Completion  - its tag and the bytes moved, or -errno
     IOEngine    - submit() / reap(); stream() and run() keep queue_depth in flight
     make_engine - "auto" | "uring" | "threads"; with NPUKV_FAULTS set (tests
-                  only, off by default) wrapped in io/faults.py's FaultyEngine
+                  only, off by default) wrapped in testing/faults.py's FaultyEngine
 
 The engine never retries: a short read (EOF) or short write comes back as the
 byte count it was, an error as ``-errno``. Callers decide what that means; the
@@ -126,6 +126,13 @@ _BACKENDS = {
     "threads": ("npukv_store.io.threads", "ThreadEngine"),
 }
 
+#: The fault injector make_engine loads where NPUKV_FAULTS is set. By name, as
+#: _BACKENDS: it imports this module, so an import of it here would be a
+#: circle; and a registry it fills when imported would stay empty in the
+#: processes that need it most (a vLLM worker started with NPUKV_FAULTS imports
+#: no test code).
+FAULTS_MODULE = "npukv_store.testing.faults"
+
 
 def _construct(kind: str, queue_depth: int) -> IOEngine:
     module_name, class_name = _BACKENDS[kind]
@@ -144,9 +151,8 @@ def make_engine(kind: str = "auto", queue_depth: int = 16) -> IOEngine:
     """
     engine = _make_engine(kind, queue_depth)
     if os.environ.get("NPUKV_FAULTS"):  # tests only; unset costs this lookup
-        from npukv_store.io.faults import wrap_from_env
-
-        return wrap_from_env(engine)
+        wrapped: IOEngine = importlib.import_module(FAULTS_MODULE).wrap_from_env(engine)
+        return wrapped
     return engine
 
 

@@ -11,10 +11,11 @@ happens on the writer thread, whose waiting and I/O release the GIL.
 
 Per batch the thread waits for the batch's device event (D2H copy into the
 ring; None or already complete on the CPU), then calls ``publish(batch)``
-(checksums, write through the engine, fsync, rename, index commit: see
-``KVStore._publish_batch``), then releases the ring region. A failure in publish
-is logged and counted; the batch is lost, never half-visible, and the thread
-goes on with the next one.
+(the store's ``AsyncSaver._publish`` in store/write/staging.py: checksums,
+write through the engine, fsync, rename, index commit), then releases the ring
+region, unless publish set ``batch.held`` (the remote tier still reads it and
+releases it itself). A failure in publish is logged and counted; the batch is
+lost, never half-visible, and the thread goes on with the next one.
 """
 
 from __future__ import annotations

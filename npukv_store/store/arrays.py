@@ -7,6 +7,7 @@ only reach it from a caller that imported torch already, so ``sys.modules`` has 
     input_rows()  - every tensor of a put, validated against the namespace
     output_rows() - the destination rows of a read, and the layers they pick
     GroupedRows   - one tensor's destination rows spread over several arrays
+    merge_reads() - the requests of a read_many as one read
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import sys
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -179,3 +181,59 @@ class GroupedRows:
 
 #: What the reader slices rows of: one array, or several (``GroupedRows``).
 DestRows = np.ndarray | GroupedRows
+
+
+@dataclass(frozen=True, slots=True)
+class MergedRead:
+    """The requests of one ``KVStore.read_many`` call as one read.
+
+    ``keys`` holds every request's keys, one unused ``b""`` between two
+    requests (so no run of rows crosses from one request's arrays to the
+    next); ``positions`` is the index in ``keys`` of each real key, ``starts``
+    each request's first; ``dest`` each tensor's rows over that index space;
+    ``layers`` the layers every request names."""
+
+    keys: list[bytes]
+    positions: list[int]
+    starts: list[int]
+    layers: list[int]
+    dest: dict[str, DestRows]
+
+
+def merge_reads(
+    spec: NamespaceSpec,
+    requests: Sequence[tuple[Sequence[bytes], Mapping[str, object]]],
+) -> MergedRead | None:
+    """``(keys, out)`` requests as one read; None for no request.
+
+    Raises:
+        ValueError: a request names other layers than the first, or its
+            ``out`` does not fit (see :func:`output_rows`).
+    """
+    all_keys: list[bytes] = []
+    positions: list[int] = []
+    parts: dict[str, list[tuple[int, np.ndarray]]] = {}
+    starts: list[int] = []
+    layers: list[int] | None = None
+    for keys, out in requests:
+        found, rows = output_rows(spec, len(keys), out)
+        if layers is not None and found != layers:
+            raise ValueError(
+                f"read_many: request {len(starts)} names layers {found}, "
+                f"expected the first request's {layers}"
+            )
+        layers = found
+        if all_keys:
+            all_keys.append(b"")  # one unused row: no run crosses requests
+        starts.append(len(all_keys))
+        for name, array in rows.items():
+            parts.setdefault(name, []).append((len(all_keys), array))
+        positions.extend(range(len(all_keys), len(all_keys) + len(keys)))
+        all_keys.extend(keys)
+    if layers is None:
+        return None
+    dest: dict[str, DestRows] = {
+        name: group[0][1] if len(group) == 1 else GroupedRows(group)
+        for name, group in parts.items()
+    }
+    return MergedRead(all_keys, positions, starts, layers, dest)

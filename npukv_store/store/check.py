@@ -28,7 +28,8 @@ from npukv_store.config import StoreConfig
 from npukv_store.errors import FormatError
 from npukv_store.store import recovery
 from npukv_store.store.directory import CacheDir
-from npukv_store.store.format import ChunkHeader, layer_checksums, parse_header
+from npukv_store.store.format import ChunkHeader, layer_checksums
+from npukv_store.store.format_checks import parse_header
 from npukv_store.store.index import ChunkRecord, Index
 
 

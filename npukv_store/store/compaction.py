@@ -33,12 +33,12 @@ from npukv_store.config import StoreConfig
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import policy
 from npukv_store.store.arrays import empty_rows
-from npukv_store.store.chunk_writer import write_chunk
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import MAX_CHUNK_BLOCKS
 from npukv_store.store.index import ChunkRecord, Index
 from npukv_store.store.publish import Publisher
 from npukv_store.store.store import KVStore
+from npukv_store.store.write.chunk_file import write_chunk
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ Runs in: any process opening a store, and the maintenance job.
     is_garbage_tmp()     - a tmp/ file whose writer is dead or that is too old
     is_orphan_chunk()    - a chunk file no index row points to and no live
                            publisher can still commit
+    unlink_quietly()     - remove a file; already gone is the same outcome
 
 Layout (docs/format.md)::
 
@@ -231,3 +232,9 @@ def file_age_s(path: str) -> float:
         return time.time() - os.stat(path).st_mtime
     except FileNotFoundError:
         return 0.0
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove ``path``; already gone is the same outcome."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

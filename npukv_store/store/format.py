@@ -7,20 +7,17 @@ specification: ``docs/format.md``.
     build_chunk()      - the buffers of a whole chunk file, in file order
     encode_header()    - the 8-byte length + JSON header, padded to 4096 bytes
     compute_checksums()- xxh3_64 per (block, layer) over the layer's parts
-    parse_header()     - read and validate a chunk's header and checksum table
+    META_*, ChunkHeader, TensorEntry - the metadata keys and a parsed header
 
-Chunk files are untrusted input: ``parse_header`` bounds the header length before
-reading it, checks every offset and size against the file, checks that the
-tensors tile the data section in layer order and that the required metadata is
-there, and raises :class:`~npukv_store.errors.FormatError` (a subclass) naming the
-file and the problem (the rules live in :mod:`.format_checks`). Data rows are
-only trusted after their checksum matches.
+Chunk files are untrusted input: :func:`.format_checks.parse_header` reads and
+validates a header, raising a :class:`~npukv_store.errors.FormatError`
+subclass naming the file and the problem. Data rows are only trusted after
+their checksum matches.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,24 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from npukv_store import native
-from npukv_store.errors import BadMagic, CorruptChunk
 from npukv_store.native import BufferLike
 from npukv_store.spec import CHECKSUM_TENSOR, FORMAT_VERSION, NamespaceSpec
-from npukv_store.store.format_checks import (
-    META_CREATED_NS,
-    META_CREATOR,
-    META_FORMAT,
-    META_KEYS,
-    META_LAYERS,
-    META_NAMESPACE,
-    REQUIRED_META,
-    TensorEntry,
-    check_against_spec,
-    check_metadata,
-    check_tensors,
-    decode_meta_lists,
-    group_layers,
-)
 
 #: The data section starts at a multiple of this (O_DIRECT and page alignment).
 DATA_ALIGN = 4096
@@ -54,8 +35,32 @@ DATA_ALIGN = 4096
 MAX_HEADER_BYTES = 16 << 20
 #: Most blocks in one chunk; keeps headers far below MAX_HEADER_BYTES.
 MAX_CHUNK_BLOCKS = 65536
-#: First read of a header: one page-cache-friendly read covers most headers.
-_FIRST_READ_BYTES = 64 << 10
+
+
+#: Keys of a chunk's safetensors ``__metadata__`` (docs/format.md §3).
+META_FORMAT = "npukv_format"
+META_NAMESPACE = "npukv_namespace"
+META_KEYS = "npukv_keys"
+META_LAYERS = "npukv_layers"
+META_CREATOR = "npukv_creator"
+META_CREATED_NS = "npukv_created_ns"
+REQUIRED_META = (META_FORMAT, META_NAMESPACE, META_KEYS, META_LAYERS, META_CREATOR)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One tensor of a chunk; ``begin``/``end`` are absolute file offsets."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one block (row) of this tensor."""
+        return (self.end - self.begin) // self.shape[0] if self.shape[0] else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,90 +256,13 @@ def build_chunk(
     ]
 
 
-def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
-    data = os.pread(fd, nbytes, offset)
-    if len(data) != nbytes:
-        raise CorruptChunk(
-            f"{path}: short read at offset {offset}: found {len(data)} bytes, "
-            f"expected {nbytes}"
-        )
-    return data
-
-
-def parse_header(
-    fd: int,
-    path: str,
-    *,
-    namespace: str | None = None,
-    spec: NamespaceSpec | None = None,
-) -> ChunkHeader:
-    """Read and validate the header and checksum table of the chunk open on ``fd``.
-
-    Args:
-        fd: an fd open for reading on the chunk.
-        path: the file's path, for messages.
-        namespace: the expected namespace (hex); another one raises.
-        spec: the expected layout; tensors must match it exactly.
-
-    Raises:
-        BadMagic: not a safetensors file with npukv metadata.
-        VersionMismatch: another npukv format version.
-        NamespaceMismatch: another namespace than ``namespace``.
-        CorruptChunk: any structural problem, short file or layout mismatch.
-    """
-    file_size = os.fstat(fd).st_size
-    if file_size < 8:
-        raise BadMagic(f"{path}: found {file_size} bytes, expected a chunk file")
-    first = os.pread(fd, min(file_size, _FIRST_READ_BYTES), 0)
-    (header_len,) = struct.unpack_from("<Q", first)
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-        raise CorruptChunk(
-            f"{path}: header length {header_len} does not fit: expected at most "
-            f"{min(MAX_HEADER_BYTES, file_size - 8)} bytes"
-        )
-    raw = first[8 : 8 + header_len]
-    if len(raw) < header_len:
-        raw += _pread_exact(fd, header_len - len(raw), 8 + len(raw), path)
-    try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise BadMagic(
-            f"{path}: header is not JSON ({exc}); expected a chunk"
-        ) from None
-    if not isinstance(body, dict):
-        raise BadMagic(f"{path}: header is {type(body).__name__}, expected an object")
-    meta = check_metadata(body.pop("__metadata__", None), path, namespace)
-    data_start = 8 + header_len
-    if data_start % DATA_ALIGN:
-        raise CorruptChunk(
-            f"{path}: data starts at {data_start}, expected a multiple of {DATA_ALIGN}"
-        )
-    entries = check_tensors(body, path, data_start, file_size)
-    keys, layer_names = decode_meta_lists(meta, path)
-    layers, checksum_entry = group_layers(entries, layer_names, len(keys), path)
-    if spec is not None:
-        layout = ChunkLayout(spec, len(keys), data_start)
-        check_against_spec(layers, layer_names, layout, path)
-    table = _pread_exact(
-        fd, checksum_entry.end - checksum_entry.begin, checksum_entry.begin, path
-    )
-    checksums = np.frombuffer(table, dtype="<u8").reshape(len(keys), len(layer_names))
-    return ChunkHeader(
-        path=path,
-        file_size=file_size,
-        data_start=data_start,
-        namespace=meta[META_NAMESPACE],
-        keys=keys,
-        layer_names=layer_names,
-        layers=layers,
-        checksums=checksums,
-        metadata=meta,
-    )
-
-
 __all__ = [
     "META_CREATED_NS",
     "META_CREATOR",
+    "META_FORMAT",
+    "META_KEYS",
+    "META_LAYERS",
+    "META_NAMESPACE",
     "REQUIRED_META",
     "ChunkHeader",
     "ChunkLayout",
@@ -344,5 +272,4 @@ __all__ = [
     "compute_checksums",
     "encode_header",
     "layer_checksums",
-    "parse_header",
 ]

@@ -1,16 +1,26 @@
-"""Validation rules for chunk headers read from disk (untrusted input).
+"""Reading a chunk header from disk (untrusted input) and checking it.
 
-Runs in: any process, called by :func:`npukv_store.store.format.parse_header`.
-Each check raises one :class:`~npukv_store.errors.FormatError` subclass naming the
-file, what was found and what was expected (docs/format.md §3).
+Runs in: any process; ``pread`` on a caller's fd.
+
+    parse_header() - read and validate a chunk's header and checksum table
+
+``parse_header`` bounds the header length before reading it, checks every
+offset and size against the file, checks that the tensors tile the data
+section in layer order and that the required metadata is there. Each check
+raises one :class:`~npukv_store.errors.FormatError` subclass naming the file,
+what was found and what was expected (docs/format.md §3). The format itself
+(layout, metadata keys, encoding) is :mod:`.format`, which this module reads
+and never the reverse.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import numpy as np
 
 from npukv_store.errors import (
     BadMagic,
@@ -18,34 +28,27 @@ from npukv_store.errors import (
     NamespaceMismatch,
     VersionMismatch,
 )
-from npukv_store.spec import CHECKSUM_TENSOR, DTYPE_SIZES, FORMAT_VERSION
+from npukv_store.spec import (
+    CHECKSUM_TENSOR,
+    DTYPE_SIZES,
+    FORMAT_VERSION,
+    NamespaceSpec,
+)
+from npukv_store.store.format import (
+    DATA_ALIGN,
+    MAX_HEADER_BYTES,
+    META_FORMAT,
+    META_KEYS,
+    META_LAYERS,
+    META_NAMESPACE,
+    REQUIRED_META,
+    ChunkHeader,
+    ChunkLayout,
+    TensorEntry,
+)
 
-if TYPE_CHECKING:  # format imports this module: the layout's type only
-    from npukv_store.store.format import ChunkLayout
-
-META_FORMAT = "npukv_format"
-META_NAMESPACE = "npukv_namespace"
-META_KEYS = "npukv_keys"
-META_LAYERS = "npukv_layers"
-META_CREATOR = "npukv_creator"
-META_CREATED_NS = "npukv_created_ns"
-REQUIRED_META = (META_FORMAT, META_NAMESPACE, META_KEYS, META_LAYERS, META_CREATOR)
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    """One tensor of a chunk; ``begin``/``end`` are absolute file offsets."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one block (row) of this tensor."""
-        return (self.end - self.begin) // self.shape[0] if self.shape[0] else 0
+#: First read of a header: one page-cache-friendly read covers most headers.
+_FIRST_READ_BYTES = 64 << 10
 
 
 def check_metadata(meta: object, path: str, namespace: str | None) -> dict[str, str]:
@@ -218,3 +221,84 @@ def check_against_spec(
             f"{path}: tensors {found[:2]}... do not match the namespace layout "
             f"{expected[:2]}..."
         )
+
+
+def _pread_exact(fd: int, nbytes: int, offset: int, path: str) -> bytes:
+    data = os.pread(fd, nbytes, offset)
+    if len(data) != nbytes:
+        raise CorruptChunk(
+            f"{path}: short read at offset {offset}: found {len(data)} bytes, "
+            f"expected {nbytes}"
+        )
+    return data
+
+
+def parse_header(
+    fd: int,
+    path: str,
+    *,
+    namespace: str | None = None,
+    spec: NamespaceSpec | None = None,
+) -> ChunkHeader:
+    """Read and validate the header and checksum table of the chunk open on ``fd``.
+
+    Args:
+        fd: an fd open for reading on the chunk.
+        path: the file's path, for messages.
+        namespace: the expected namespace (hex); another one raises.
+        spec: the expected layout; tensors must match it exactly.
+
+    Raises:
+        BadMagic: not a safetensors file with npukv metadata.
+        VersionMismatch: another npukv format version.
+        NamespaceMismatch: another namespace than ``namespace``.
+        CorruptChunk: any structural problem, short file or layout mismatch.
+    """
+    file_size = os.fstat(fd).st_size
+    if file_size < 8:
+        raise BadMagic(f"{path}: found {file_size} bytes, expected a chunk file")
+    first = os.pread(fd, min(file_size, _FIRST_READ_BYTES), 0)
+    (header_len,) = struct.unpack_from("<Q", first)
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
+        raise CorruptChunk(
+            f"{path}: header length {header_len} does not fit: expected at most "
+            f"{min(MAX_HEADER_BYTES, file_size - 8)} bytes"
+        )
+    raw = first[8 : 8 + header_len]
+    if len(raw) < header_len:
+        raw += _pread_exact(fd, header_len - len(raw), 8 + len(raw), path)
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise BadMagic(
+            f"{path}: header is not JSON ({exc}); expected a chunk"
+        ) from None
+    if not isinstance(body, dict):
+        raise BadMagic(f"{path}: header is {type(body).__name__}, expected an object")
+    meta = check_metadata(body.pop("__metadata__", None), path, namespace)
+    data_start = 8 + header_len
+    if data_start % DATA_ALIGN:
+        raise CorruptChunk(
+            f"{path}: data starts at {data_start}, expected a multiple of {DATA_ALIGN}"
+        )
+    entries = check_tensors(body, path, data_start, file_size)
+    keys, layer_names = decode_meta_lists(meta, path)
+    layers, checksum_entry = group_layers(entries, layer_names, len(keys), path)
+    if spec is not None:
+        layout = ChunkLayout(spec, len(keys), data_start)
+        check_against_spec(layers, layer_names, layout, path)
+    table = _pread_exact(
+        fd, checksum_entry.end - checksum_entry.begin, checksum_entry.begin, path
+    )
+    checksums = np.frombuffer(table, dtype="<u8").reshape(len(keys), len(layer_names))
+    return ChunkHeader(
+        path=path,
+        file_size=file_size,
+        data_start=data_start,
+        namespace=meta[META_NAMESPACE],
+        keys=keys,
+        layer_names=layer_names,
+        layers=layers,
+        checksums=checksums,
+        metadata=meta,
+    )

@@ -30,9 +30,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import lmdb
 
 from npukv_store.config import StoreConfig
-from npukv_store.store.chunk_writer import unlink_quietly
 from npukv_store.store.claims import ClaimTable
-from npukv_store.store.directory import CacheDir
+from npukv_store.store.directory import CacheDir, unlink_quietly
 from npukv_store.store.index import ChunkRecord, Index
 from npukv_store.store.stats import PutResult, StoreCounters
 

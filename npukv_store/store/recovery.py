@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 from npukv_store.errors import FormatError
 from npukv_store.store.directory import CacheDir, creator_alive, file_age_s
-from npukv_store.store.format import META_CREATED_NS, META_CREATOR, parse_header
+from npukv_store.store.format import META_CREATED_NS, META_CREATOR
+from npukv_store.store.format_checks import parse_header
 from npukv_store.store.index import ChunkRecord, Index
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,6 @@ process evicts the chunk in between.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import secrets
 import threading
@@ -31,51 +30,30 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from npukv_store import native
 from npukv_store.config import StoreConfig
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
 from npukv_store.io.writer import Event
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import recovery
-from npukv_store.store.arrays import DestRows, GroupedRows, input_rows, output_rows
-from npukv_store.store.chunk_reader import ChunkReader
-from npukv_store.store.chunk_writer import write_chunk
+from npukv_store.store.arrays import input_rows, merge_reads
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.index import ChunkRecord
+from npukv_store.store.page_cache import PageCache
 from npukv_store.store.publish import Publisher
-from npukv_store.store.read_plan import ChunkReadPlan, ReadTuning
-from npukv_store.store.saver import AsyncSaver, RemoteSink, SaveTarget, StagedBatch
+from npukv_store.store.read.plan import ChunkReadPlan, ReadTuning
+from npukv_store.store.read.reader import ChunkReader
 from npukv_store.store.stats import PutResult, StoreCounters, StoreStats
 from npukv_store.store.touches import TouchRecorder
+from npukv_store.store.write.chunk_file import write_chunk
+from npukv_store.store.write.staging import (
+    AsyncSaver,
+    RemoteSink,
+    SaveTarget,
+    StagedSave,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class StagedSave:
-    """Blocks claimed for saving and their reserved ring region (see
-    :meth:`KVStore.begin_save`).
-
-    Attributes:
-        keys: the claimed keys, in row order.
-        indices: position of each claimed key in the keys given to begin_save.
-        image: the region (uint8), exactly the chunk file being built.
-    """
-
-    __slots__ = ("batch", "image", "indices", "keys", "spec")
-
-    def __init__(self, spec: NamespaceSpec, batch: StagedBatch, indices: list[int]):
-        self.spec = spec
-        self.batch = batch
-        self.keys = batch.keys
-        self.indices = indices
-        self.image = batch.image
-
-    def layer_address(self, layer_index: int) -> int:
-        """Address of layer ``layer_index``'s first row; rows are that layer's
-        ``row_bytes`` apart."""
-        base: int = self.image.ctypes.data
-        return base + self.batch.layout.layer_offset(layer_index)
 
 
 class KVStore:
@@ -117,6 +95,9 @@ class KVStore:
             tuning=read_tuning,
         )  # fmt: skip
         self.touches = TouchRecorder(lambda: self.index)
+        self.page_cache = PageCache(
+            self.dir, lambda: self.index, self._reader.tuning.cached_share
+        )
         self._closed = threading.Event()
         self._open()
 
@@ -329,20 +310,7 @@ class KVStore:
         Best effort and non-blocking; returns how many chunk files were hinted.
         """
         self._check_fork()
-        chunks = {loc[0] for loc in self.index.locate(keys) if loc is not None}
-        hinted = 0
-        for chunk_id in chunks:
-            fd = self._open_chunk(chunk_id)
-            if fd is None:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                hinted += 1
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        return hinted
+        return self.page_cache.readahead(keys)
 
     def read_plan(self, chunk_id: int) -> ChunkReadPlan | None:
         """How a read of all of ``chunk_id`` would go now (``npukv inspect
@@ -356,44 +324,7 @@ class KVStore:
         hit that loads at memory speed. Stops at the first other key. One
         cachestat (or mincore) per chunk file; never reads data."""
         self._check_fork()
-        shares: dict[int, bool] = {}
-        count = 0
-        for loc in self.index.locate(keys):
-            if loc is None:
-                break
-            chunk_id = loc[0]
-            if chunk_id not in shares:
-                shares[chunk_id] = self._mostly_cached(chunk_id)
-            if not shares[chunk_id]:
-                break
-            count += 1
-        return count
-
-    def _open_chunk(self, chunk_id: int) -> int | None:
-        """A read-only fd of a published chunk's file; None where it is gone
-        (evicted meanwhile: its read will miss)."""
-        record = self.index.chunk(chunk_id)
-        if record is None:
-            return None
-        path = self.dir.chunk_path(record.namespace.hex(), chunk_id)
-        try:
-            return os.open(path, os.O_RDONLY)
-        except OSError:
-            return None
-
-    def _mostly_cached(self, chunk_id: int) -> bool:
-        fd = self._open_chunk(chunk_id)
-        if fd is None:
-            return False
-        try:
-            size = os.fstat(fd).st_size
-            cached = int(native.cached_pages(fd, np.array([[0, size]]))[0])
-        except (OSError, ValueError):
-            return False
-        finally:
-            os.close(fd)
-        pages = -(-size // mmap.PAGESIZE)
-        return pages > 0 and cached / pages >= self._reader.tuning.cached_share
+        return self.page_cache.cached_prefix(keys)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until everything put_async'ed so far is published (visible to
@@ -407,8 +338,8 @@ class KVStore:
         """Create the staging ring and start the writer now (idempotent).
 
         put_async does it on first use, but creating and pre-faulting the ring
-        costs time (about 0.6 s per GiB here): a serving process calls this at
-        start-up so no forward pass pays for it.
+        costs time (about 0.6 s per GiB on vm, the 2-core development VM): a
+        serving process calls this at start-up so no forward pass pays for it.
 
         Raises:
             ConfigError: ``ring_size`` does not fit in /dev/shm.
@@ -488,32 +419,10 @@ class KVStore:
         maintenance job's reads are not uses).
         """
         self._check_fork()
-        all_keys: list[bytes] = []
-        positions: list[int] = []  # index in all_keys of each real key
-        parts: dict[str, list[tuple[int, np.ndarray]]] = {}
-        starts: list[int] = []
-        layers: list[int] | None = None
-        for keys, out in requests:
-            found, rows = output_rows(self.spec, len(keys), out)
-            if layers is not None and found != layers:
-                raise ValueError(
-                    f"read_many: request {len(starts)} names layers {found}, "
-                    f"expected the first request's {layers}"
-                )
-            layers = found
-            if all_keys:
-                all_keys.append(b"")  # one unused row: no run crosses requests
-            starts.append(len(all_keys))
-            for name, array in rows.items():
-                parts.setdefault(name, []).append((len(all_keys), array))
-            positions.extend(range(len(all_keys), len(all_keys) + len(keys)))
-            all_keys.extend(keys)
-        if layers is None:
+        merged = merge_reads(self.spec, requests)
+        if merged is None:
             return []
-        dest: dict[str, DestRows] = {
-            name: group[0][1] if len(group) == 1 else GroupedRows(group)
-            for name, group in parts.items()
-        }
+        all_keys, positions, layers = merged.keys, merged.positions, merged.layers
         ok = [False] * len(all_keys)
         by_chunk: dict[int, list[tuple[int, int]]] = {}
         located = self.index.locate([all_keys[i] for i in positions])
@@ -521,7 +430,7 @@ class KVStore:
             if loc is not None:
                 by_chunk.setdefault(loc[0], []).append((i, loc[1]))
         chunks = list(by_chunk.items())
-        results = self._reader.read_chunks(chunks, all_keys, layers, dest)
+        results = self._reader.read_chunks(chunks, all_keys, layers, merged.dest)
         for (chunk_id, _), good in zip(chunks, results, strict=True):
             if good and touch:
                 self.touches.note_chunk(chunk_id)
@@ -541,7 +450,7 @@ class KVStore:
         )
         return [
             ok[start : start + len(keys)]
-            for start, (keys, _) in zip(starts, requests, strict=True)
+            for start, (keys, _) in zip(merged.starts, requests, strict=True)
         ]
 
     def _quarantine(self, chunk_ids: set[int]) -> None:

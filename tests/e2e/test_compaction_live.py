@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import runs
+from bench.harness import runs
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
 pytestmark = pytest.mark.e2e

@@ -1,5 +1,5 @@
 """The model families users run, end to end on real vLLM (CPU build), each a
-tiny random-weight model built by scripts/tiny_models.py.
+tiny random-weight model built by bench/harness/tiny_models.py.
 
 Every family: store in one process, load in a second, greedy tokens equal a
 run without the connector, and the external hit covers the full blocks of a
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.runs import (
+from bench.harness.runs import (
     WARMUP_TOKENS,
     build_model,
     cached,

@@ -13,7 +13,7 @@ no-connector baseline whatever the tier holds or does.
     corruption     a live value overwritten (same length, one byte flipped)
                    is caught by its checksums and recomputed
 
-Every vLLM run is its own process (tests/e2e/runs.py, in-process engine, so
+Every vLLM run is its own process (bench/harness/runs.py, in-process engine, so
 the harness counts the tokens our connector claims), with ``--shutdown`` so
 that the connector's close() logs its "longest scheduler step" line. Runs that
 must stay alive, or that a test acts in the middle of, pause at gate files
@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e import runs
+from bench.harness import runs
 from tests.support.mooncake import MooncakeMaster, MooncakePool, require_mooncake
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
@@ -218,12 +218,10 @@ class Gated:
 # -- fixtures -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", autouse=True)
+def _needs_mooncake() -> None:
+    """Before ``work`` builds its model (autouse fixtures come first)."""
     require_mooncake()  # skips cleanly here, fails under CI
-    path = tmp_path_factory.mktemp("e2e_remote")
-    runs.build_model(path / "model")
-    return path
 
 
 @pytest.fixture(scope="module")

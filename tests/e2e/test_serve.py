@@ -1,6 +1,6 @@
 """Served end to end: vLLM's real OpenAI server (CPU build) with the connector,
 under concurrent traffic, preemption, client cancellations, a restart and two
-servers on one directory (scripts/serve_harness.py).
+servers on one directory (bench/harness/serve.py).
 
 Every output is compared with a reference server's (no connector) for the same
 prompt: greedy decoding of the tiny random Llama is deterministic, whatever
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,11 +30,8 @@ import pytest
 pytest.importorskip("vllm", reason="served end-to-end tests need vLLM (.[vllm])")
 pytest.importorskip("aiohttp", reason="the served tests' client needs aiohttp")
 
-from tests.e2e import runs  # noqa: E402
+from bench.harness import serve as sh  # noqa: E402
 from tests.support.served import Reference, check_outputs  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import serve_harness as sh  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -119,13 +115,6 @@ def _counters(metrics: sh.Metrics) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("serve")
-    runs.build_model(path / "model")
-    return path
 
 
 @pytest.fixture(scope="module")

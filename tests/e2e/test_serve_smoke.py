@@ -13,10 +13,8 @@ can only come from the store.
 
 from __future__ import annotations
 
-import sys
 import time
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,11 +22,9 @@ import pytest
 pytest.importorskip("vllm", reason="served end-to-end tests need vLLM (.[vllm])")
 pytest.importorskip("aiohttp", reason="the served tests' client needs aiohttp")
 
-from tests.e2e import runs  # noqa: E402
+from bench.harness import runs  # noqa: E402
+from bench.harness import serve as sh  # noqa: E402
 from tests.support.served import check_outputs  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import serve_harness as sh  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tests.e2e.runs import build_model, external, run, tokens
+from bench.harness.runs import build_model, external, run, tokens
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
 pytestmark = pytest.mark.e2e

@@ -1,7 +1,7 @@
 """End to end on real vLLM (CPU build): greedy tokens with the connector must
 equal a no-connector baseline, whatever the store holds.
 
-Every vLLM run is a separate process (tests/e2e/runs.py) on a tiny
+Every vLLM run is a separate process (bench/harness/runs.py) on a tiny
 random-weight Llama built locally. vLLM's prefix cache is on in the runs with
 the connector, as in production; each run's prompts share at most the blocks
 a test means to hit locally. Most runs use VLLM_ENABLE_V1_MULTIPROCESSING=0
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import runs
+from bench.harness import runs
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
 
@@ -65,13 +65,6 @@ def harness(
 
 
 _finish = runs.finish
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("e2e")
-    runs.build_model(path / "model")
-    return path
 
 
 @pytest.fixture(scope="module")

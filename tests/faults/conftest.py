@@ -104,20 +104,20 @@ class FaultTrial:
         self, spec: Any, keys: Sequence[bytes], out: dict[str, Any], ok: Sequence[bool]
     ) -> int:
         """Count the hits of one read whose bytes are wrong; returns the hits."""
-        from tests.support.scenarios import verify_read
+        from tests.support.blocks import verify_read
 
         wrong = verify_read(spec, keys, out, ok)
         self._count("wrong_kv_served", len(wrong), "; ".join(wrong[:3]))
         return sum(ok)
 
     def read_back(self, store: Any, keys: Sequence[bytes]) -> list[bool]:
-        """Read ``keys`` into poisoned buffers; counts wrong hits; the bools."""
-        from tests.support.scenarios import empty_out
+        """Read ``keys`` into zeroed buffers; counts wrong hits; the bools."""
+        from tests.support.blocks import empty_blocks
 
         keys = list(keys)
         if not keys:
             return []
-        out = empty_out(store.spec, len(keys))
+        out = empty_blocks(store.spec, len(keys))
         ok = list(store.read(keys, out))
         self.served(store.spec, keys, out, ok)
         return ok

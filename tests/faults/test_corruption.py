@@ -21,8 +21,8 @@ from collections.abc import Callable
 import pytest
 
 from npukv_store import KVStore
-from tests.faults import helpers
-from tests.faults.helpers import BIG, BLOCKS, config, drop_page_cache, fill
+from tests.support import faults
+from tests.support.faults import BIG, BLOCKS, config, drop_page_cache, fill
 
 #: damage(path, rng) -> the rows (blocks) of the chunk that must miss, or None
 #: when the whole chunk must miss, or "any" when the outcome may go either way
@@ -30,27 +30,27 @@ Damage = Callable[[str, random.Random], "set[int] | None | str"]
 
 
 def _flip_data(path: str, rng: random.Random) -> set[int]:
-    start = helpers.data_start(path)
+    start = faults.data_start(path)
     rel = rng.randrange(BLOCKS * BIG.block_bytes)
-    helpers.flip_bit(path, start + rel, rng.randrange(8))
-    return {helpers.block_at(BIG, BLOCKS, rel)}
+    faults.flip_bit(path, start + rel, rng.randrange(8))
+    return {faults.block_at(BIG, BLOCKS, rel)}
 
 
 def _flip_table(path: str, rng: random.Random) -> set[int]:
     entry = rng.randrange(BLOCKS * len(BIG.layers))
-    offset = helpers.table_offset(path, BIG, BLOCKS) + 8 * entry
-    helpers.flip_bit(path, offset + rng.randrange(8), rng.randrange(8))
+    offset = faults.table_offset(path, BIG, BLOCKS) + 8 * entry
+    faults.flip_bit(path, offset + rng.randrange(8), rng.randrange(8))
     return {entry // len(BIG.layers)}
 
 
 def _flip_header(path: str, rng: random.Random) -> str:
-    end = helpers.data_start(path)
-    helpers.flip_bit(path, rng.randrange(8, end), rng.randrange(8))
+    end = faults.data_start(path)
+    faults.flip_bit(path, rng.randrange(8, end), rng.randrange(8))
     return "any"
 
 
 def _not_json(path: str, rng: random.Random) -> None:
-    end = helpers.data_start(path)
+    end = faults.data_start(path)
     with open(path, "r+b") as handle:
         handle.seek(8)
         handle.write(bytes(rng.randrange(256) for _ in range(end - 8)))
@@ -67,7 +67,7 @@ def _length_past_eof(path: str, rng: random.Random) -> None:
 
 def _truncate(path: str, rng: random.Random) -> set[int] | None:
     size = os.path.getsize(path)
-    start = helpers.data_start(path)
+    start = faults.data_start(path)
     cut = rng.randrange(size)
     os.truncate(path, cut)
     if cut < start + BLOCKS * BIG.block_bytes:

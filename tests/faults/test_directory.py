@@ -22,8 +22,9 @@ from npukv_store import (
     StoreConfig,
     VersionMismatch,
 )
-from tests.faults import helpers
-from tests.faults.helpers import BIG, SMALL, config, keys_for
+from tests.support import faults
+from tests.support.blocks import block_tensors
+from tests.support.faults import BIG, SMALL, config, keys_for
 
 # -- the connector's degraded mode ------------------------------------------------
 
@@ -72,7 +73,7 @@ def _connector_turns_off(fault, cfg: StoreConfig, caplog, *reasons: str) -> None
 def _put_some(cfg: StoreConfig, tag: str) -> list[bytes]:
     with KVStore(cfg, SMALL) as store:
         keys = keys_for(tag, 4)
-        store.put(keys, helpers.scenarios.make_tensors(SMALL, keys))
+        store.put(keys, block_tensors(SMALL, keys))
     return keys
 
 
@@ -88,7 +89,7 @@ def test_read_only_cache_dir(fault, tmp_path, caplog):
         populated = trial % 2 == 1
         if populated:
             _put_some(cfg, f"ro{trial}")
-        with helpers.read_only(root):
+        with faults.read_only(root):
             with pytest.raises(OSError, match="Read-only file system") as caught:
                 KVStore(cfg, SMALL)
             assert str(root) in str(caught.value)
@@ -130,15 +131,15 @@ def test_a_parent_that_is_a_file(fault, tmp_path, caplog):
 
 @pytest.mark.fault("cache-dir-on-tmpfs")
 def test_cache_dir_on_tmpfs_works(fault, tmp_path):
-    with helpers.tmpfs(tmp_path / "fs", "64m") as mount:
+    with faults.tmpfs(tmp_path / "fs", "64m") as mount:
         for trial in fault.trials(1, 3):
             cfg = config(os.path.join(mount, f"c{trial}"), direct_io=True)
             with KVStore(cfg, BIG) as store:
-                keys = keys_for(f"tmpfs{trial}", helpers.BLOCKS)
-                store.put_async(keys, helpers.scenarios.make_tensors(BIG, keys))
+                keys = keys_for(f"tmpfs{trial}", faults.BLOCKS)
+                store.put_async(keys, block_tensors(BIG, keys))
                 assert store.flush(timeout_s=60)
-                sync_keys = keys_for(f"tmpfs-sync{trial}", helpers.BLOCKS)
-                store.put(sync_keys, helpers.scenarios.make_tensors(BIG, sync_keys))
+                sync_keys = keys_for(f"tmpfs-sync{trial}", faults.BLOCKS)
+                store.put(sync_keys, block_tensors(BIG, sync_keys))
             with KVStore(cfg, BIG) as store:
                 fault.durable(store, keys + sync_keys)
                 assert store.check(verify_data=True) == []

@@ -1,4 +1,4 @@
-"""The fault injector itself (npukv_store/io/faults.py) and the suite's
+"""The fault injector itself (npukv_store/testing/faults.py) and the suite's
 bookkeeping: the rules do what the spec says, make_engine wraps only when
 NPUKV_FAULTS is set, and docs/faults.md lists every registered kind."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from npukv_store import ConfigError
-from npukv_store.io import faults as io_faults
 from npukv_store.io.engine import READ, WRITE, IORequest, make_engine
 from npukv_store.io.threads import ThreadEngine
+from npukv_store.testing import faults as io_faults
 from tests.faults.kinds import register_all
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "faults.md"

@@ -22,9 +22,9 @@ import pytest
 
 from npukv_store import KVStore
 from npukv_store.maintenance import Options, run
-from tests.faults import helpers
-from tests.faults.helpers import BIG, config, fill
 from tests.faults.kinds import kind
+from tests.support import faults
+from tests.support.faults import BIG, config, fill
 
 #: where the child dies: (module path, attribute, wrapper). The wrapper kills on
 #: its ``after``-th call, before (``when="before"``) or after the real call.
@@ -122,7 +122,7 @@ def _setup(root: str, name: str, trial: int) -> tuple[list[bytes], list[bytes]]:
         doomed = keys  # any may be evicted: only wrong reads count
     if name.startswith("quarantine"):
         path, doomed = chunks[0]
-        helpers.flip_bit(path, helpers.data_start(path) + 5, 3)
+        faults.flip_bit(path, faults.data_start(path) + 5, 3)
     if name.startswith("gc"):
         dead = _dead_pid()
         for number in range(3):  # in-flight files of a dead writer
@@ -153,7 +153,7 @@ def test_maintenance_killed_in_each_window(tmp_path, fault, name):
             f"WINDOW = {WINDOWS[name]!r}\nROOT = {root!r}\nMATCH = {match!r}\n"
             f"OPTIONS = {_options(name)!r}\n" + textwrap.dedent(CHILD)
         )
-        done = helpers.run_child(code)
+        done = faults.run_child(code)
         fault.process(name, done.returncode, done.stdout + done.stderr,
                       expect_rc=-signal.SIGKILL)  # fmt: skip
         with KVStore(config(root), BIG) as store:

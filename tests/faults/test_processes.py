@@ -3,7 +3,7 @@ the index, its lock file, tmp/ leftovers, orphan chunks, writers and readers
 killed with SIGKILL. Every other process keeps working or misses; a re-open
 recovers; nothing durable is lost, nothing torn is visible.
 
-Children run in fresh interpreters (``helpers.run_child``) and print one JSON
+Children run in fresh interpreters (``faults.run_child``) and print one JSON
 line; a child that dies, or prints a traceback, counts as a process crash.
 """
 
@@ -22,19 +22,20 @@ import time
 
 import pytest
 
-from npukv_store import KVStore
-from tests.faults import helpers
-from tests.faults.helpers import BIG, BLOCKS, SMALL, config, fill, keys_for
-from tests.support import scenarios
-from tests.support.processes import reaping
+from bench.harness.processes import reaping
+from npukv_store import KVStore, StoreConfig
+from tests.support import faults
+from tests.support.blocks import block_tensors
+from tests.support.faults import BIG, BLOCKS, SMALL, config, fill, keys_for
+from tests.support.scenarios import crash, crash_plan
 
 #: A child's preamble: the store, the specs and the fault suite's helpers.
 PRELUDE = """
 import json, os, sys
 from npukv_store import KVStore
-from tests.support import scenarios
-from tests.faults import helpers
-from tests.faults.helpers import BIG, SMALL, config, keys_for
+from tests.support import faults
+from tests.support.blocks import block_tensors, empty_blocks, verify_read
+from tests.support.faults import BIG, SMALL, config, keys_for
 def report(**values):
     print(json.dumps(values), flush=True)
 """
@@ -44,7 +45,7 @@ def _child(fault, name: str, body: str, **values) -> dict:
     """Run ``body`` (with ``values`` bound as globals) in a child; its report."""
     assign = "".join(f"{k} = {v!r}\n" for k, v in values.items())
     code = PRELUDE + assign + textwrap.dedent(body)
-    done = helpers.run_child(code)
+    done = faults.run_child(code)
     fault.process(name, done.returncode, done.stdout + done.stderr)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else {}
@@ -59,13 +60,13 @@ READER = """
 cfg = config(root)
 want = [bytes.fromhex(k) for k in keys]
 with KVStore(cfg, BIG) as store:
-    out = scenarios.empty_out(BIG, len(want))
+    out = empty_blocks(BIG, len(want))
     ok = store.read(want, out)
-    wrong = scenarios.verify_read(BIG, want, out, ok)
+    wrong = verify_read(BIG, want, out, ok)
     extra = None
     if put_tag:
-        new = keys_for(put_tag, helpers.BLOCKS)
-        store.put(new, scenarios.make_tensors(BIG, new))
+        new = keys_for(put_tag, faults.BLOCKS)
+        store.put(new, block_tensors(BIG, new))
         extra = [k.hex() for k in new if store.lookup([k])]
 report(ok=ok, wrong=len(wrong), put=extra)
 """
@@ -93,7 +94,7 @@ def test_index_deleted_while_a_process_runs(fault, tmp_path):
             shutil.rmtree(os.path.join(cfg.cache_dir, "index"))
             fault.durable(store, durable, "the running process after the rm:")
             after = keys_for(f"idx{trial}:after", BLOCKS)  # may go unseen: allowed
-            store.put(after, scenarios.make_tensors(BIG, after))
+            store.put(after, block_tensors(BIG, after))
             result = _child(
                 fault, "reader", READER, root=cfg.cache_dir,
                 keys=_hexes(durable + after), put_tag=f"idx{trial}:child",
@@ -135,7 +136,7 @@ cfg = config(root)
 want = [bytes.fromhex(k) for k in keys]
 raised, wrong, hits = [], 0, 0
 with KVStore(cfg, BIG) as store:
-    store.read(want, scenarios.empty_out(BIG, len(want)))  # warm: a live handle
+    store.read(want, empty_blocks(BIG, len(want)))  # warm: a live handle
     path = os.path.join(root, "index", "data.mdb")
     size = os.path.getsize(path)
     rng = random.Random(seed)
@@ -147,13 +148,13 @@ with KVStore(cfg, BIG) as store:
             if call == "lookup":
                 store.lookup(want)
             elif call == "read":
-                out = scenarios.empty_out(BIG, len(want))
+                out = empty_blocks(BIG, len(want))
                 ok = store.read(want, out)
-                wrong += len(scenarios.verify_read(BIG, want, out, ok))
+                wrong += len(verify_read(BIG, want, out, ok))
                 hits += sum(ok)
             else:
-                new = keys_for(f"live{seed}", helpers.BLOCKS)
-                store.put(new, scenarios.make_tensors(BIG, new))
+                new = keys_for(f"live{seed}", faults.BLOCKS)
+                store.put(new, block_tensors(BIG, new))
         except Exception as exc:
             raised.append(f"{call}: {type(exc).__name__}")
     try:
@@ -187,8 +188,8 @@ cfg = config(root)
 with KVStore(cfg, BIG) as store:
     stored = []
     for b in range(batches):
-        new = keys_for(f"{tag}:{b}", helpers.BLOCKS)
-        if store.put(new, scenarios.make_tensors(BIG, new)).stored == len(new):
+        new = keys_for(f"{tag}:{b}", faults.BLOCKS)
+        if store.put(new, block_tensors(BIG, new)).stored == len(new):
             stored += [k.hex() for k in new]
 report(stored=stored)
 """
@@ -202,7 +203,7 @@ def test_index_lock_file_removed_while_processes_run(fault, tmp_path):
             durable = [k for _, ks in fill(store, f"lock{trial}", 2) for k in ks]
             os.unlink(os.path.join(cfg.cache_dir, "index", "lock.mdb"))
             # the other process writes while this one does (separate lock files)
-            proc = helpers.start_child(
+            proc = faults.start_child(
                 PRELUDE + f"root = {cfg.cache_dir!r}\ntag = 'lock{trial}c'\n"
                 f"batches = 6\n" + textwrap.dedent(LOCK_WRITER)
             )
@@ -210,7 +211,7 @@ def test_index_lock_file_removed_while_processes_run(fault, tmp_path):
                 mine = []
                 for b in range(6):
                     new = keys_for(f"lock{trial}p:{b}", BLOCKS)
-                    if store.put(new, scenarios.make_tensors(BIG, new)).stored:
+                    if store.put(new, block_tensors(BIG, new)).stored:
                         mine += new
                 out, _ = proc.communicate(timeout=120)
             fault.process("lock writer", proc.returncode, out)
@@ -226,7 +227,7 @@ def test_index_lock_file_removed_while_processes_run(fault, tmp_path):
 
 
 def _dead_pid() -> int:
-    return int(helpers.run_child("import os; print(os.getpid())").stdout)
+    return int(faults.run_child("import os; print(os.getpid())").stdout)
 
 
 @pytest.mark.fault("tmp-file-of-dead-pid")
@@ -237,7 +238,7 @@ def test_tmp_files_of_dead_and_live_pids(fault, tmp_path):
             cfg = config(tmp_path / f"t{trial}")
             keys = keys_for(f"tmpfile{trial}", 4)
             with KVStore(cfg, SMALL) as store:
-                store.put(keys, scenarios.make_tensors(SMALL, keys))
+                store.put(keys, block_tensors(SMALL, keys))
             tmp = os.path.join(cfg.cache_dir, "tmp")
             dead = os.path.join(tmp, f"{_dead_pid()}-{trial:016x}.tmp")
             live = os.path.join(tmp, f"{sleeper.pid}-{trial:016x}.tmp")
@@ -256,7 +257,7 @@ def test_tmp_files_of_dead_and_live_pids(fault, tmp_path):
 ORPHAN_WRITER = """
 cfg = config(root)
 with KVStore(cfg, BIG) as store:
-    path = helpers.put_chunk(store, keys_for(tag, helpers.BLOCKS))
+    path = faults.put_chunk(store, keys_for(tag, faults.BLOCKS))
 report(path=path)
 """
 
@@ -290,26 +291,24 @@ def test_orphan_chunks_of_dead_and_live_writers(fault, tmp_path):
 
 
 def _crash_trials(fault, tmp_path, plan, mode: str) -> None:
-    """``scenarios.run_crash_trials`` (kill, reopen, check every invariant),
+    """``crash.run_crash_trials`` (kill, reopen, check every invariant),
     then this suite's own count over its logs: every put whose return was
     logged must read back."""
     seed = random.randrange(2**32)
     cache, logs = str(tmp_path / "cache"), str(tmp_path / "logs")
     try:
-        scenarios.run_crash_trials(cache, logs, plan, seed=seed, mode=mode)
+        crash.run_crash_trials(cache, logs, plan, seed=seed, mode=mode)
     finally:
         returned, in_flight = [], []
         for number in range(len(plan)):
             trial_seed = seed * 100_003 + number
-            log = scenarios._read_log(os.path.join(logs, f"trial-{number}.log"))
+            log = crash.read_log(os.path.join(logs, f"trial-{number}.log"))
             for batch, *_ in log:
-                returned += scenarios.crash_batch_keys(trial_seed, batch)
-            in_flight += scenarios.crash_batch_keys(trial_seed, len(log))
+                returned += crash_plan.crash_batch_keys(trial_seed, batch)
+            in_flight += crash_plan.crash_batch_keys(trial_seed, len(log))
         if os.path.isdir(cache):
-            cfg = helpers.fresh_config(
-                scenarios.StoreConfig(cache_dir=cache, capacity=1 << 30)
-            )
-            with KVStore(cfg, scenarios.tiny_spec()) as store:
+            cfg = faults.fresh_config(StoreConfig(cache_dir=cache, capacity=1 << 30))
+            with KVStore(cfg, SMALL) as store:
                 fault.durable(store, returned, f"seed {seed}:")
                 fault.read_back(store, in_flight)  # hit or miss, never wrong
 
@@ -317,7 +316,7 @@ def _crash_trials(fault, tmp_path, plan, mode: str) -> None:
 @pytest.mark.fault("sigkill-writer-rename-commit")
 def test_sigkill_between_rename_and_commit(fault, tmp_path):
     repeats = 2 if fault.full else 1
-    plan = scenarios.targeted_plan([scenarios.PHASE_RENAMED], repeats=repeats * 2)
+    plan = crash_plan.targeted_plan([crash_plan.PHASE_RENAMED], repeats=repeats * 2)
     list(fault.trials(len(plan), len(plan)))
     _crash_trials(fault, tmp_path, plan, "sync")
 
@@ -325,7 +324,7 @@ def test_sigkill_between_rename_and_commit(fault, tmp_path):
 @pytest.mark.fault("sigkill-writer-in-index-txn")
 def test_sigkill_inside_the_index_transaction(fault, tmp_path):
     repeats = 2 if fault.full else 1
-    plan = scenarios.targeted_plan([scenarios.PHASE_IN_TXN], repeats=repeats * 2)
+    plan = crash_plan.targeted_plan([crash_plan.PHASE_IN_TXN], repeats=repeats * 2)
     list(fault.trials(len(plan), len(plan)))
     _crash_trials(fault, tmp_path, plan, "sync")
 
@@ -333,7 +332,7 @@ def test_sigkill_inside_the_index_transaction(fault, tmp_path):
 @pytest.mark.fault("sigkill-async-writer")
 def test_sigkill_of_an_async_writer(fault, tmp_path):
     count = 12 if fault.full else 2
-    plan = scenarios.random_plan(count, random.Random(), max_delay_s=0.15)
+    plan = crash_plan.random_plan(count, random.Random(), max_delay_s=0.15)
     list(fault.trials(count, count))
     _crash_trials(fault, tmp_path, plan, "async")
 
@@ -345,9 +344,9 @@ want = [bytes.fromhex(k) for k in keys]
 with KVStore(cfg, BIG) as store:
     report(ready=True)
     while True:
-        helpers.drop_page_cache(helpers.chunk_paths(root))
+        faults.drop_page_cache(faults.chunk_paths(root))
         store.lookup(want)
-        store.read(want, scenarios.empty_out(BIG, len(want)))
+        store.read(want, empty_blocks(BIG, len(want)))
 """
 
 
@@ -358,7 +357,7 @@ def test_sigkill_of_a_reader_mid_read(fault, tmp_path, monkeypatch):
         durable = [k for _, ks in fill(store, "reader", 3) for k in ks]
     for trial in fault.trials(2, 6):
         monkeypatch.setenv("NPUKV_FAULTS", "read:slow:ms=20")  # inside a read
-        proc = helpers.start_child(
+        proc = faults.start_child(
             PRELUDE + f"root = {cfg.cache_dir!r}\nkeys = {_hexes(durable)!r}\n"
             + textwrap.dedent(SLOW_READER), keep_faults=True,
         )  # fmt: skip
@@ -374,7 +373,7 @@ def test_sigkill_of_a_reader_mid_read(fault, tmp_path, monkeypatch):
         with KVStore(cfg, BIG) as store:  # reader slots of the dead are freed
             fault.durable(store, durable, f"trial {trial}:")
             new = keys_for(f"reader:after{trial}", BLOCKS)
-            store.put(new, scenarios.make_tensors(BIG, new))
+            store.put(new, block_tensors(BIG, new))
             durable += new
             assert store.check() == []
 
@@ -390,11 +389,11 @@ with KVStore(cfg, spec) as store:
     for round in range(rounds):
         for p in range(prompts):
             keys = store.keys_for(list(range(p * 7, p * 7 + 32)))
-            out = scenarios.empty_out(spec, len(keys))
+            out = empty_blocks(spec, len(keys))
             ok = store.read(keys, out)
-            wrong += len(scenarios.verify_read(spec, keys, out, ok))
+            wrong += len(verify_read(spec, keys, out, ok))
             hits += sum(ok)
-            store.put(keys, scenarios.make_tensors(spec, keys))
+            store.put(keys, block_tensors(spec, keys))
 report(wrong=wrong, hits=hits)
 """
 
@@ -405,7 +404,7 @@ def test_two_models_sharing_a_directory_never_cross_hit(fault, tmp_path):
         root = str(tmp_path / f"t{trial}")
         rounds = 3 if fault.full else 2
         procs = [
-            helpers.start_child(
+            faults.start_child(
                 PRELUDE + f"root = {root!r}\nmodel = {m!r}\nrounds = {rounds}\n"
                 "prompts = 4\n" + textwrap.dedent(MODEL)
             )

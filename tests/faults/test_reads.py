@@ -16,9 +16,10 @@ import time
 import pytest
 
 from npukv_store import KVStore, native
-from npukv_store.io import faults as io_faults
-from tests.faults import helpers
-from tests.faults.helpers import BIG, config, drop_page_cache, fill
+from npukv_store.testing import faults as io_faults
+from tests.support import faults
+from tests.support.blocks import block_tensors
+from tests.support.faults import BIG, config, drop_page_cache, fill
 
 
 def _set_faults(monkeypatch: pytest.MonkeyPatch, spec: str | None) -> None:
@@ -36,7 +37,7 @@ def _restore(store: KVStore, chunks: list[tuple[str, list[bytes]]]) -> list:
         if store.lookup(keys) == len(keys) and os.path.exists(path):
             out.append((path, keys))
         else:
-            out.append((helpers.put_chunk(store, keys), keys))
+            out.append((faults.put_chunk(store, keys), keys))
     return out
 
 
@@ -139,8 +140,8 @@ def test_chunk_deleted_between_lookup_and_read(fault, tmp_path):
             assert not any(ok)
             others = [k for i, (_, ks) in enumerate(chunks) if i != victim for k in ks]
             fault.durable(store, others, f"trial {trial}:")
-            fresh = helpers.keys_for(f"deleted-again:{trial}", helpers.BLOCKS)
-            chunks[victim] = (helpers.put_chunk(store, fresh), fresh)
+            fresh = faults.keys_for(f"deleted-again:{trial}", faults.BLOCKS)
+            chunks[victim] = (faults.put_chunk(store, fresh), fresh)
 
 
 @pytest.mark.fault("chunk-file-lost")
@@ -151,7 +152,7 @@ def test_blocks_of_a_lost_chunk_file_are_saved_again(fault, tmp_path):
             path, keys = fill(store, f"lost{trial}", chunks=1)[0]
             os.unlink(path)
             assert not any(fault.read_back(store, keys))
-            again = store.put(keys, helpers.scenarios.make_tensors(BIG, keys))
+            again = store.put(keys, block_tensors(BIG, keys))
             assert again.stored == len(keys), (
                 f"not saved again after the miss: {again}; lookup still claims "
                 f"{store.lookup(keys)} of {len(keys)} blocks"
@@ -163,14 +164,14 @@ def test_chunk_cut_short_while_its_reads_are_in_flight(fault, tmp_path, monkeypa
     cfg = config(tmp_path / "cache")
     for trial in fault.trials(2, 6):
         root = tmp_path / f"t{trial}"
-        with KVStore(helpers.fresh_config(cfg, cache_dir=str(root)), BIG) as store:
+        with KVStore(faults.fresh_config(cfg, cache_dir=str(root)), BIG) as store:
             chunks = fill(store, f"cut{trial}", chunks=2)
         (path, keys), (_, other) = chunks
-        cut = helpers.data_start(path) + (trial + 1) * 50_000
+        cut = faults.data_start(path) + (trial + 1) * 50_000
         _set_faults(monkeypatch, "read:slow:ms=150")
         drop_page_cache(p for p, _ in chunks)
         timer = threading.Timer(0.05, os.truncate, (path, cut))
-        with KVStore(helpers.fresh_config(cfg, cache_dir=str(root)), BIG) as store:
+        with KVStore(faults.fresh_config(cfg, cache_dir=str(root)), BIG) as store:
             timer.start()
             started = time.monotonic()
             ok = fault.read_back(store, keys + other)
@@ -178,5 +179,5 @@ def test_chunk_cut_short_while_its_reads_are_in_flight(fault, tmp_path, monkeypa
         _set_faults(monkeypatch, None)
         assert time.monotonic() - started > 0.1, "the read was not slowed"
         assert ok[: len(keys)].count(False) > 0, "nothing past the cut missed"
-        with KVStore(helpers.fresh_config(cfg, cache_dir=str(root)), BIG) as store:
+        with KVStore(faults.fresh_config(cfg, cache_dir=str(root)), BIG) as store:
             fault.durable(store, other, f"trial {trial}:")

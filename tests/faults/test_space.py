@@ -17,11 +17,13 @@ import time
 import pytest
 
 from npukv_store import ConfigError, KVStore
-from npukv_store.io import faults as io_faults
 from npukv_store.io import ring as ring_mod
-from tests.faults import helpers
-from tests.faults.helpers import BIG, BLOCKS, SMALL, config, fill, keys_for
-from tests.support import scenarios
+from npukv_store.testing import faults as io_faults
+from tests.support import faults
+from tests.support.blocks import block_tensors, tiny_spec
+from tests.support.chunks import tmp_files
+from tests.support.faults import BIG, BLOCKS, SMALL, config, fill, keys_for
+from tests.support.scenarios.oracles import SPEC
 
 
 def _set_faults(monkeypatch: pytest.MonkeyPatch, spec: str | None) -> None:
@@ -35,14 +37,14 @@ def _set_faults(monkeypatch: pytest.MonkeyPatch, spec: str | None) -> None:
 def _save(store: KVStore, keys: list[bytes]) -> float:
     """put_async + flush; returns how long put_async itself took."""
     begin = time.perf_counter()
-    store.put_async(keys, scenarios.make_tensors(store.spec, keys))
+    store.put_async(keys, block_tensors(store.spec, keys))
     took = time.perf_counter() - begin
     assert store.flush(timeout_s=60)
     return took
 
 
 def _no_leftovers(cache_dir: str) -> None:
-    assert scenarios.tmp_files(cache_dir) == [], "a failed save left a tmp file"
+    assert tmp_files(cache_dir) == [], "a failed save left a tmp file"
 
 
 # -- a real full filesystem -------------------------------------------------------
@@ -60,21 +62,21 @@ def _full_tmpfs_trials(fault, tmp_path, asynchronous: bool) -> None:
                 took = _save(store, keys)
                 assert took < 5.0, f"put_async took {took:.2f} s"
             else:
-                store.put(keys, scenarios.make_tensors(BIG, keys))
+                store.put(keys, block_tensors(BIG, keys))
         except OSError as exc:
             if asynchronous or exc.errno != errno.ENOSPC:
                 broken.append(f"{'put_async' if asynchronous else 'put'}: {exc!r}")
         except Exception as exc:  # noqa: BLE001 - the contract says which
             broken.append(f"{'put_async' if asynchronous else 'put'}: {exc!r}")
 
-    with helpers.tmpfs(tmp_path / "fs", "8m") as mount:
+    with faults.tmpfs(tmp_path / "fs", "8m") as mount:
         for trial in fault.trials(2, 6):
             cfg = config(os.path.join(mount, "cache"))
             slack = [0, 100_000, 8192, 300_000, 40_000, 200_000][trial % 6]
             with KVStore(cfg, BIG) as store:
                 durable = [k for _, ks in fill(store, f"full{trial}", chunks=2)
                            for k in ks]  # fmt: skip
-                filler = helpers.fill_disk(mount, leave=slack)
+                filler = faults.fill_disk(mount, leave=slack)
                 missed = 0
                 for attempt in range(4):
                     keys = keys_for(f"full{trial}:{attempt}", BLOCKS)
@@ -154,7 +156,7 @@ def _syscall_fault_trials(fault, tmp_path, monkeypatch, name: str) -> None:
                 assert store.stats().counters["failed_batches"] > failed_before
             else:
                 with pytest.raises(OSError, match="No space left"):
-                    store.put(keys, scenarios.make_tensors(BIG, keys))
+                    store.put(keys, block_tensors(BIG, keys))
             assert injected[0] > before, f"the store no longer calls os.{name}"
             assert store.lookup(keys) == 0, "a failed save was published"
             _no_leftovers(cfg.cache_dir)
@@ -226,7 +228,7 @@ def test_a_stalling_disk_drops_saves_instead_of_waiting(fault, tmp_path, monkeyp
             calls, results = [], []
             for keys in batches:
                 begin = time.perf_counter()
-                results.append(store.put_async(keys, scenarios.make_tensors(BIG, keys)))
+                results.append(store.put_async(keys, block_tensors(BIG, keys)))
                 calls.append(time.perf_counter() - begin)
             assert store.flush(timeout_s=60)
             counters = store.stats().counters
@@ -265,7 +267,7 @@ def test_ring_larger_than_dev_shm(fault, tmp_path):
             assert "/dev/shm" in message, message
             assert str(-(-size // 4096) * 4096) in message, message
             keys = keys_for(f"ring{trial}", 4)
-            tensors = scenarios.make_tensors(SMALL, keys)
+            tensors = block_tensors(SMALL, keys)
             with pytest.raises(ConfigError, match="ring_size"):
                 store.put_async(keys, tensors)
             assert store.put(keys, tensors).stored == 4  # the keys stayed savable
@@ -284,7 +286,7 @@ def _fake_ring(path: str, pid: int, body: bytes | None = None) -> None:
 
 
 def _dead_pid() -> int:
-    child = helpers.run_child("import os; print(os.getpid())")
+    child = faults.run_child("import os; print(os.getpid())")
     return int(child.stdout)
 
 
@@ -331,7 +333,7 @@ def test_connector_worker_turns_off_when_the_ring_does_not_fit(fault, tmp_path, 
     pytest.importorskip("torch")
     pytest.importorskip("vllm", reason="the connector needs vLLM")
     from npukv_store.connector.metadata import NPUKVMetadata
-    from npukv_store.connector.worker import WorkerSide
+    from npukv_store.connector.worker.side import WorkerSide
     from tests.support.connector import cpu_caches, engine_config, transfer
 
     for trial in fault.trials(1, 2):
@@ -361,14 +363,14 @@ def test_connector_worker_turns_off_when_the_ring_does_not_fit(fault, tmp_path, 
 
 @pytest.mark.fault("index-map-full")
 def test_full_index_fails_saves_and_counts_them(fault, tmp_path):
-    spec = scenarios.tiny_spec(row_shape=(4, 2, 8))  # small rows: many keys
+    spec = tiny_spec(block_size=SPEC.block_size, row_shape=(4, 2, 8))  # many keys
     for trial in fault.trials(1, 2):
         cfg = config(tmp_path / f"t{trial}", index_map_size="1MiB", ring_size="8MiB")
         durable: list[bytes] = []
         with KVStore(cfg, spec) as store:
             for batch in range(1000):
                 keys = keys_for(f"map{trial}:{batch}", 256)
-                store.put_async(keys, scenarios.make_tensors(spec, keys))
+                store.put_async(keys, block_tensors(spec, keys))
                 if batch % 5 == 4:
                     assert store.flush(timeout_s=60)
                     if store.stats().counters["failed_batches"]:

@@ -1,4 +1,4 @@
-"""Faults in real vLLM (CPU build, a tiny random Llama; tests/e2e/runs.py):
+"""Faults in real vLLM (CPU build, a tiny random Llama; bench/harness/runs.py):
 a read-only cache directory, failing reads, a SIGKILL in the middle of a save
 followed by a restart, a ring that does not fit /dev/shm. Each run's greedy
 tokens must equal a no-connector baseline (a prompt that differs counts as
@@ -18,15 +18,16 @@ from pathlib import Path
 import pytest
 
 from npukv_store import KVStore
-from npukv_store.io import faults as io_faults
-from tests.faults import helpers
-from tests.support import scenarios
+from npukv_store.testing import faults as io_faults
+from tests.support import faults
+from tests.support.chunks import tmp_files
+from tests.support.faults import SMALL
 
 pytest.importorskip(
     "vllm", reason="the vLLM fault kinds need vLLM (pip install .[vllm])"
 )
 
-from tests.e2e import runs  # noqa: E402
+from bench.harness import runs  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 OFF_LINE = "npukv_store: the connector is off"
@@ -39,13 +40,6 @@ def _prompts() -> list[list[int]]:
 
 
 PROMPTS = _prompts()
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("faults-e2e")
-    runs.build_model(path / "model")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +67,7 @@ def _copy_cold(source: Path, dest: Path) -> Path:
     """A copy of a cache directory whose chunk pages are not in the page cache
     (so loads read through the I/O engine, where NPUKV_FAULTS acts)."""
     shutil.copytree(source, dest)
-    helpers.drop_page_cache(helpers.chunk_paths(dest))
+    faults.drop_page_cache(faults.chunk_paths(dest))
     return dest
 
 
@@ -81,7 +75,7 @@ def _copy_cold(source: Path, dest: Path) -> Path:
 def test_vllm_with_a_read_only_cache_dir(fault, work, baseline, stored):
     for trial in fault.trials(1, 1):
         cache = _copy_cold(stored, work / f"ro{trial}")
-        with helpers.read_only(cache):
+        with faults.read_only(cache):
             name = f"read_only{trial}"
             proc = runs.start(work, name, PROMPTS, model=work / "model",
                               cache_dir=cache)  # fmt: skip
@@ -151,10 +145,10 @@ def test_vllm_killed_mid_save_then_restarted(fault, work, baseline, monkeypatch)
         if rc != 0:
             return
         _tokens_match(fault, runs.finish(work, again, proc), baseline, again)
-        cfg = helpers.config(cache)
-        with KVStore(cfg, scenarios.tiny_spec()) as store:  # recovery ran before
+        cfg = faults.config(cache)
+        with KVStore(cfg, SMALL) as store:  # recovery ran before
             assert store.check(verify_data=True) == []
-        assert scenarios.tmp_files(str(cache)) == []
+        assert tmp_files(str(cache)) == []
 
 
 @pytest.mark.fault("vllm-ring-larger-than-shm")

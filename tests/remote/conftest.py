@@ -1,12 +1,15 @@
-"""Fixtures for the Mooncake Store tier tests: a real mooncake_master per test."""
+"""Fixtures for the Mooncake Store tier tests: a real mooncake_master per test,
+and the tiers and stores a test makes on it."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
 from tests.support.mooncake import MooncakeMaster, require_mooncake
+from tests.support.remote import Nodes
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -27,3 +30,14 @@ def mooncake_master(tmp_path):
         yield master
     finally:
         master.stop()
+
+
+@pytest.fixture
+def nodes(mooncake_master, tmp_path) -> Iterator[Nodes]:
+    """The test's tiers and stores on ``mooncake_master``, closed at its end
+    (before the master stops)."""
+    made = Nodes(mooncake_master, tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()

@@ -14,8 +14,8 @@ pytest.importorskip("vllm", reason="the connector needs vLLM")
 
 from npukv_store import KVStore  # noqa: E402
 from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata  # noqa: E402
-from npukv_store.connector.remote_lookup import GIVE_UP_STEPS  # noqa: E402
-from npukv_store.connector.scheduler import SchedulerSide  # noqa: E402
+from npukv_store.connector.scheduler.remote_lookup import GIVE_UP_STEPS  # noqa: E402
+from npukv_store.connector.scheduler.side import SchedulerSide  # noqa: E402
 from npukv_store.remote.tier import open_tier, release_tier  # noqa: E402
 from tests.support.connector import (  # noqa: E402
     BLOCK,

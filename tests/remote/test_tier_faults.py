@@ -18,8 +18,9 @@ from npukv_store.remote.breaker import CLOSED
 from npukv_store.remote.tier import STALL_S, MooncakeTier
 from npukv_store.remote.transfers import load_deadline_s
 from npukv_store.remote.value import ValueLayout
-from tests.remote.test_tier import (
-    Nodes,
+from tests.support.blocks import tiny_spec
+from tests.support.mooncake import MooncakeMaster, free_ports, require_mooncake
+from tests.support.remote import (
     expected_values,
     join_closes,
     load_buffer,
@@ -28,8 +29,6 @@ from tests.remote.test_tier import (
     tier_config,
     wait_until,
 )
-from tests.support.blocks import tiny_spec
-from tests.support.mooncake import MooncakeMaster, free_ports, require_mooncake
 
 LOGGER = "npukv_store.remote.tier"
 SPEC = tiny_spec()
@@ -45,15 +44,6 @@ def timed(fn, *args):
     began = time.perf_counter()
     result = fn(*args)
     return result, time.perf_counter() - began
-
-
-@pytest.fixture
-def nodes(mooncake_master, tmp_path):
-    made = Nodes(mooncake_master, tmp_path)
-    try:
-        yield made
-    finally:
-        made.close()
 
 
 def value_pieces(values: np.ndarray, layout: ValueLayout) -> list:

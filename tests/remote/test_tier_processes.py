@@ -29,7 +29,7 @@ from npukv_store.hashing import namespace_fingerprint
 from npukv_store.remote.tier import MooncakeTier
 from npukv_store.remote.transfers import load_deadline_s
 from npukv_store.remote.value import ValueLayout
-from tests.remote.test_tier import (
+from tests.support.remote import (
     attach,
     big_spec,
     block_tensors,

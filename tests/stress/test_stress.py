@@ -1,7 +1,7 @@
 """Stress forms of the multi-process and SIGKILL scenarios (``pytest -m stress``).
 
-Same scenarios and oracles as ``tests/integration/test_multiprocess.py`` and
-``test_crash.py`` (see ``tests/support/scenarios.py``), run longer and with more kills:
+Same scenarios and oracles as ``tests/store/test_multiprocess.py`` and
+``test_crash.py`` (see ``tests/support/scenarios/``), run longer and with more kills:
 
 * multi-process: 6 spawned workers for ``--seconds`` (default 20) on a cache of
   eight chunks; every read is right or a miss, the ledger stays within capacity
@@ -14,7 +14,7 @@ Same scenarios and oracles as ``tests/integration/test_multiprocess.py`` and
 
 Also a script, for longer or reproducible runs::
 
-    python tests/stress/test_stress.py --seconds 20 --trials 50 [--seed N]
+    python -m tests.stress.test_stress --seconds 20 --trials 50 [--seed N]
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ from typing import Any
 
 import pytest
 
-# the repository root: this file also runs as a script
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.support import scenarios  # noqa: E402
+from tests.support.scenarios import crash, crash_plan, multiprocess
 
 DEFAULT_SECONDS = 20.0
 DEFAULT_TRIALS = 50
@@ -54,7 +52,7 @@ def multiprocess_stress(
     def attempt(number: int) -> dict[str, Any]:
         # a run that found no fault but did not exercise eviction (even with
         # its overtime) is run again, on the next seed
-        return scenarios.run_multiprocess(
+        return multiprocess.run_multiprocess(
             str(root / f"mp-cache-{mode}-{number}"),
             workers=workers,
             seconds=seconds,
@@ -65,14 +63,14 @@ def multiprocess_stress(
             mode=mode,
         )
 
-    return scenarios.until_exercised(attempt)
+    return multiprocess.until_exercised(attempt)
 
 
 def crash_stress(
     root: Path, *, trials: int, seed: int, mode: str = "sync"
 ) -> dict[str, Any]:
-    plan = scenarios.mixed_plan(trials, random.Random(seed), scenarios.PUBLISH_PHASES)
-    return scenarios.run_crash_trials(
+    plan = crash_plan.mixed_plan(trials, random.Random(seed), crash_plan.PUBLISH_PHASES)
+    return crash.run_crash_trials(
         str(root / f"crash-cache-{mode}"),
         str(root / f"crash-logs-{mode}"),
         plan,
@@ -82,8 +80,8 @@ def crash_stress(
 
 
 def evict_crash_stress(root: Path, *, trials: int, seed: int) -> dict[str, Any]:
-    plan = scenarios.mixed_plan(trials, random.Random(seed), scenarios.EVICT_PHASES)
-    return scenarios.run_crash_trials(
+    plan = crash_plan.mixed_plan(trials, random.Random(seed), crash_plan.EVICT_PHASES)
+    return crash.run_crash_trials(
         str(root / "evict-cache"),
         str(root / "evict-logs"),
         plan,

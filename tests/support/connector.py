@@ -2,7 +2,7 @@
 requests as stand-ins with the attributes the connector reads, CPU KV caches
 laid out as vLLM's CPU backend lays them out, and a worker on them.
 
-Import after ``pytest.importorskip("torch")`` and ``("vllm")``.
+Imports torch (and vLLM where called): only the connector's tests use it.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ import torch
 
 from npukv_store import KVStore, StoreConfig
 from npukv_store.connector.metadata import BlockTransfer
-from npukv_store.connector.worker import WorkerSide
+from npukv_store.connector.worker.side import WorkerSide
 
 BLOCK = 16
 HEADS, HEAD_DIM = 2, 8
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 NUM_BLOCKS = 32
+#: a hybrid model's layers (hybrid_config)
+LAYERS4 = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+WINDOW = 2 * BLOCK  # a hit at block e needs blocks e-2, e-1 of the window group
 PAGE = HEADS * BLOCK * 2 * HEAD_DIM * 4  # fused K|V, fp32
 
 
@@ -111,3 +114,27 @@ def worker_for(tmp_path, caches, **kw) -> WorkerSide:
 
 def transfer(keys: list[bytes], block_ids: list[int]) -> BlockTransfer:
     return BlockTransfer("r", block_ids, [b"".join(keys)])
+
+
+def attention_spec(window: int | None = None):
+    """vLLM's spec of a full-attention layer, or of a sliding-window one of
+    ``window`` tokens."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    common = dict(
+        block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    if window is None:
+        return FullAttentionSpec(**common)
+    return SlidingWindowSpec(**common, sliding_window=window)
+
+
+def hybrid_config(**kw):
+    """Gemma-like: layers 0 and 2 slide, 1 and 3 attend to everything."""
+    groups = [
+        SimpleNamespace(
+            layer_names=LAYERS4[0::2], kv_cache_spec=attention_spec(WINDOW)
+        ),
+        SimpleNamespace(layer_names=LAYERS4[1::2], kv_cache_spec=attention_spec()),
+    ]
+    return engine_config(groups=groups, **kw)

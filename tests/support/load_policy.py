@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from npukv_store.connector.load_policy import LoadPolicy
+from npukv_store.connector.scheduler.load_policy import LoadPolicy
 
 BLOCK_BYTES = 1 << 20
 BLOCK_TOKENS = 32

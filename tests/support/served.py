@@ -19,7 +19,7 @@ def check_outputs(
     reference: Reference,
 ) -> None:
     """Every request the client did not cancel finished with the reference
-    server's tokens for its prompt; ``results`` are serve_harness Results, in
+    server's tokens for its prompt; ``results`` are bench.harness.serve Results, in
     the order of ``prompts``. The assertion names each request that differs
     (the first eight)."""
     bad = []

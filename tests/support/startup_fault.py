@@ -1,7 +1,7 @@
 """The connector with a fault injected into both roles' start-up, for the
 end-to-end test that vLLM serves on (tests/e2e/test_startup.py).
 
-vLLM loads it by module path (``scripts/vllm_harness.py --connector
+vLLM loads it by module path (``python -m bench.harness.vllm_run --connector
 npukv-startup-fault``) and finds the class by its usual name; importing this
 module replaces, in the connector's module, the two sides it starts with
 callables that raise, as a bug or an unforeseen vLLM would.

@@ -1,0 +1,207 @@
+"""The reports of the ``npukv`` command (:mod:`npukv_store.cli`), built from a
+cache directory as the ``--json`` objects (:mod:`.render` prints them as text).
+
+Runs in: the ``npukv`` process; reads only (index snapshots, file headers).
+
+    stats_report()     - capacity, used, live and dead bytes, namespaces
+    namespace_report() - one namespace: spec, layout, usage
+    chunk_report()     - one chunk file: header, tensors, live rows
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from npukv_store.spec import NamespaceSpec
+from npukv_store.store import policy
+from npukv_store.store.directory import CacheDir
+from npukv_store.store.format import META_CREATED_NS, META_CREATOR, ChunkHeader
+from npukv_store.store.index import ChunkRecord, Index
+
+
+@dataclass
+class Usage:
+    """What the index says a set of chunks holds."""
+
+    chunks: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    dead_bytes: int = 0
+    oldest_ns: int | None = None
+    newest_ns: int | None = None
+
+    def add(self, record: ChunkRecord) -> None:
+        self.chunks += 1
+        self.blocks += record.live_rows
+        self.bytes += record.size_bytes
+        # about what compaction gets back by rewriting only the live rows
+        self.dead_bytes += policy.dead_bytes(record)
+        created = record.created_ns
+        self.oldest_ns = min(created, self.oldest_ns or created)
+        self.newest_ns = max(created, self.newest_ns or created)
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {
+            "chunks": self.chunks,
+            "blocks": self.blocks,
+            "bytes": self.bytes,
+            "dead_bytes": self.dead_bytes,
+            "oldest_ns": self.oldest_ns,
+            "newest_ns": self.newest_ns,
+        }
+
+
+def usage_by_namespace(cdir: CacheDir, index: Index) -> tuple[dict[str, Usage], Usage]:
+    """Per namespace (on disk or in the index) and overall, from one snapshot."""
+    per_ns = {ns: Usage() for ns in cdir.namespaces()}
+    total = Usage()
+    for record in index.iter_chunks():
+        per_ns.setdefault(record.namespace.hex(), Usage()).add(record)
+        total.add(record)
+    return dict(sorted(per_ns.items())), total
+
+
+def read_spec(cdir: CacheDir, namespace: str) -> NamespaceSpec | None:
+    """The spec in ``<ns>/namespace.json``; None when missing or unreadable."""
+    try:
+        with open(os.path.join(cdir.ns_dir(namespace), "namespace.json")) as handle:
+            return NamespaceSpec.from_json(handle.read())
+    except (OSError, ValueError):
+        return None
+
+
+def spec_fields(spec: NamespaceSpec | None) -> dict[str, Any]:
+    if spec is None:
+        return dict.fromkeys(("model", "dtype", "block_size", "tp_rank", "tp_size"))
+    return {
+        "model": spec.model,
+        "dtype": spec.kv_dtype,
+        "block_size": spec.block_size,
+        "tp_rank": spec.tp_rank,
+        "tp_size": spec.tp_size,
+    }
+
+
+def stats_report(cdir: CacheDir, index: Index, capacity: int | None) -> dict[str, Any]:
+    """The ``npukv stats --json`` object (docs/cli.md, "Reading npukv stats")."""
+    per_ns, total = usage_by_namespace(cdir, index)
+    default = os.path.join(cdir.root, "quarantine")
+    quarantine = str(getattr(cdir, "quarantine_dir", default))
+    quarantined = [e.stat().st_size for e in _scan(quarantine) if e.is_file()]
+    report: dict[str, Any] = {
+        "cache_dir": cdir.root,
+        "capacity_bytes": capacity,
+        "used_bytes": total.bytes,
+        "live_bytes": total.bytes - total.dead_bytes,
+        "dead_bytes": total.dead_bytes,
+        "fragmentation": total.dead_bytes / total.bytes if total.bytes else 0.0,
+        "chunks": total.chunks,
+        "blocks": total.blocks,
+        "oldest_ns": total.oldest_ns,
+        "newest_ns": total.newest_ns,
+        "quarantine_dir": quarantine if os.path.isdir(quarantine) else None,
+        "quarantined_files": len(quarantined),
+        "quarantined_bytes": sum(quarantined),
+        "namespaces": {
+            ns: {**spec_fields(read_spec(cdir, ns)), **usage.as_dict()}
+            for ns, usage in per_ns.items()
+        },
+    }
+    claims = claims_held(cdir, index)
+    if claims is not None:
+        report["claims"] = claims
+    # Deprecated aliases, kept for one release (scripts/demo_vllm.py and
+    # operators' scripts read them): use used_bytes, chunks and blocks.
+    report["total_bytes"] = total.bytes
+    report["num_chunks"] = total.chunks
+    report["num_blocks"] = total.blocks
+    return report
+
+
+def _scan(path: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as entries:
+            return list(entries)
+    except FileNotFoundError:
+        return []
+
+
+def claims_held(cdir: CacheDir, index: Index) -> int | None:
+    """Save claims in the directory (None when it keeps none)."""
+    held = getattr(index, "claims_held", None)
+    if callable(held):
+        return int(held())
+    path = os.path.join(cdir.root, "claims")
+    if not os.path.isdir(path):
+        return None  # opening the table would create it: stats only reads
+    from npukv_store.store.claims import ClaimTable
+
+    table = ClaimTable(path)
+    try:
+        return table.held()
+    finally:
+        table.close()
+
+
+def namespace_report(cdir: CacheDir, index: Index, namespace: str) -> dict[str, Any]:
+    """The ``npukv inspect DIR NAMESPACE --json`` object: spec, layout, usage."""
+    per_ns, _ = usage_by_namespace(cdir, index)
+    spec = read_spec(cdir, namespace)
+    report: dict[str, Any] = {"namespace": namespace, **spec_fields(spec)}
+    if spec is not None:
+        report.update(
+            revision=spec.revision,
+            pp_rank=spec.pp_rank,
+            pp_size=spec.pp_size,
+            rank_independent=spec.rank_independent,
+            layout=layout(spec),
+        )
+    return {**report, **per_ns.get(namespace, Usage()).as_dict()}
+
+
+def layout(spec: NamespaceSpec) -> dict[str, Any]:
+    """Layers grouped by identical parts: most models have one group."""
+    groups: dict[tuple[object, ...], dict[str, Any]] = {}
+    for layer in spec.layers:
+        shape = tuple((p.name, p.dtype, p.row_shape) for p in layer.parts)
+        parts = [
+            {"name": p.name, "dtype": p.dtype, "row_shape": list(p.row_shape),
+             "row_bytes": p.row_bytes}
+            for p in layer.parts
+        ]  # fmt: skip
+        group = groups.setdefault(
+            shape, {"layer_count": 0, "row_bytes": layer.row_bytes, "parts": parts}
+        )
+        group["layer_count"] += 1
+    return {
+        "layers": len(spec.layers),
+        "block_bytes": spec.block_bytes,
+        "groups": list(groups.values()),
+    }
+
+
+def chunk_report(
+    header: ChunkHeader, chunk_id: str | None, live_rows: int | None, keys: int
+) -> dict[str, Any]:
+    """The ``npukv inspect CHUNK_FILE --json`` object; ``live_rows`` is the
+    index's (None when the index does not have the chunk)."""
+    return {
+        "path": os.path.abspath(header.path),
+        "chunk_id": chunk_id,
+        "file_size": header.file_size,
+        "data_start": header.data_start,
+        "namespace": header.namespace,
+        "num_blocks": header.num_blocks,
+        "live_rows": live_rows,
+        "created_ns": int(header.metadata.get(META_CREATED_NS, "0") or 0),
+        "creator": header.metadata.get(META_CREATOR),
+        "checksums": list(header.checksums.shape),
+        "keys": [k.hex() for k in header.keys[:keys]],
+        "layers": {
+            name: [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in entries]
+            for name, entries in zip(header.layer_names, header.layers, strict=True)
+        },
+        "metadata": {k: v for k, v in header.metadata.items() if k != "npukv_keys"},
+    }
