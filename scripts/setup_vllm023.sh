@@ -52,6 +52,13 @@ PYEOF
     rm -rf "$_v023_dl"
     unset _v023_dl
 fi
+# NPUKV_STACK_ONLY=1: stop here (scripts/test.sh downloads and installs the
+# stack above while the main lane's tests run, and the package below only
+# after them: its install may rebuild the C extension in the source tree,
+# which must not change under the main lane's processes)
+if [ "${NPUKV_STACK_ONLY:-0}" = 1 ]; then
+    return 0
+fi
 _v023_stamp=$(cat setup.py setup.cfg pyproject.toml | cksum)
 if [ "$(cat .venv-vllm023/.npukv-install 2>/dev/null)" != "$_v023_stamp" ] ||
     ! "$PY023" -c 'import npukv_store._native' 2>/dev/null; then

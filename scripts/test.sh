@@ -16,6 +16,8 @@
 #   vLLM 0.33 (.venv-vllm033, scripts/setup_vllm033.sh): tests/connector (but
 #       its integration test), on PyPI's vLLM 0.33 (no CPU build: no engine
 #       runs), in an overlay of .venv that holds only the vllm 0.33 wheel
+# The 0.23 lane's vLLM stack installs in the background while the main lane
+# runs (.ci/run must fit 50 minutes: docs/decisions/0056).
 # Idempotent; exits non-zero on the first failure. Extra arguments go to the
 # main lane's first pytest run (e.g. `bash scripts/test.sh -m stress`);
 # NPUKV_LANES picks lanes (default "main 0.23 0.33"). Each lane prints its wall
@@ -43,7 +45,9 @@ lane_end() {
     echo "== lane $_lane: $((SECONDS - _lane_start)) s"
     _lane=""
 }
-trap '[ -z "$_lane" ] || echo "== lane $_lane: failed after $((SECONDS - _lane_start)) s"' EXIT
+# (and a failure never leaves the 0.23 stack's install half done: it is waited for)
+trap '[ -z "$_lane" ] || echo "== lane $_lane: failed after $((SECONDS - _lane_start)) s"
+[ -z "${_v023_stack:-}" ] || wait "$_v023_stack" 2>/dev/null || true' EXIT
 # `timed NAME CMD...`: run CMD (in this shell: `source` leaves its variables)
 # and print its wall time
 timed() {
@@ -56,6 +60,21 @@ timed() {
 # The main venv first, always: it builds the C extension that every lane's
 # venv imports, and its ruff and mypy check the whole tree.
 timed "setup .venv (vLLM 0.32)" source scripts/setup_env.sh
+
+# The vLLM 0.23 stack (about 3 GB from PyPI, most of that lane's setup time)
+# downloads and installs while the main lane's tests run, its output kept in
+# a log that a failure prints; the 0.23 lane waits for it.
+_v023_stack=""
+if lane 0.23 && lane main; then
+    _v023_log=$(mktemp)
+    (
+        export NPUKV_STACK_ONLY=1
+        start=$SECONDS
+        source scripts/setup_vllm023.sh
+        echo "== setup .venv-vllm023's vLLM stack (beside the main lane): $((SECONDS - start)) s"
+    ) >"$_v023_log" 2>&1 &
+    _v023_stack=$!
+fi
 
 if lane main; then
     lane_begin "vLLM 0.32 (main)"
@@ -79,6 +98,17 @@ if lane main; then
 fi
 
 if lane 0.23; then
+    if [ -n "$_v023_stack" ]; then
+        if ! wait "$_v023_stack"; then
+            cat "$_v023_log" >&2
+            echo "== setup .venv-vllm023's vLLM stack failed (its output above)" >&2
+            _v023_stack=""
+            exit 1
+        fi
+        _v023_stack=""
+        grep '^== ' "$_v023_log" || true
+        rm -f "$_v023_log"
+    fi
     timed "setup .venv-vllm023 (vLLM 0.23)" source scripts/setup_vllm023.sh
     lane_begin "vLLM 0.23"
     echo "== pytest: vLLM 0.23 lane"

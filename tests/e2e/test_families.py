@@ -94,7 +94,13 @@ def _store_and_load(tmp_path: Path, family: str, block: int, **kw):
     return p, baseline, store, load
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3_moe", "gemma3"])
+#: where vLLM loads hybrid KV, test_gemma3_group_structure_... runs (and checks)
+#: Gemma3's store and load as this test would, before its own runs: one vLLM
+#: store-and-load fewer in the main lane (CI time: docs/decisions/0056)
+FAMILIES = ["llama", "qwen2", "qwen3_moe"] + ([] if HYBRID_LOADS else ["gemma3"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_family_stores_and_loads_with_baseline_tokens(tmp_path, family):
     if family == "qwen3_moe" and VLLM_VERSION.startswith("0.23."):
         pytest.skip(
@@ -104,8 +110,13 @@ def test_family_stores_and_loads_with_baseline_tokens(tmp_path, family):
             "forward outside vLLM's config context (AssertionError: Current vLLM "
             "config is not set); the baseline run dies before any connector call"
         )
-    block = 32
-    p, baseline, store, load = _store_and_load(tmp_path, family, block)
+    _check_family(tmp_path, family, *_store_and_load(tmp_path, family, 32))
+
+
+def _check_family(tmp_path, family, p, baseline, store, load, block=32) -> None:
+    """A family's store run hit nothing, its load run reproduced the baseline's
+    tokens with external hits of every full block (Gemma3 on vLLM 0.23: saves
+    only, with the one line that says why)."""
     assert external(store) == [0, 0]
     assert tokens(load) == tokens(baseline), f"{family}: tokens differ"
     whole, shared = _full_blocks(p["A"], block), 200 // block * block
@@ -129,7 +140,8 @@ def test_gemma3_group_structure_separates_namespaces_and_failed_loads_recompute(
     """The same model with the hybrid KV cache manager off (one group of all
     layers) never hits what the HMA run stored; with it on, a hybrid model's
     corrupt blocks are recomputed (asynchronous loads fail per request)."""
-    p, baseline, _, _ = _store_and_load(tmp_path, "gemma3", 32)
+    p, baseline, store, load = _store_and_load(tmp_path, "gemma3", 32)
+    _check_family(tmp_path, "gemma3", p, baseline, store, load)
     model, cache = tmp_path / "model", tmp_path / "cache"
     off = run(tmp_path, "hma_off", [p["A"], p["B"]], model=model, cache_dir=cache,
               args=("--hma", "off"))  # fmt: skip
