@@ -16,8 +16,9 @@
 #   vLLM 0.33 (.venv-vllm033, scripts/setup_vllm033.sh): tests/connector (but
 #       its integration test), on PyPI's vLLM 0.33 (no CPU build: no engine
 #       runs), in an overlay of .venv that holds only the vllm 0.33 wheel
-# The 0.23 lane's vLLM stack installs in the background while the main lane
-# runs (.ci/run must fit 50 minutes: docs/decisions/0056).
+# The 0.23 lane's vLLM stack and the 0.33 lane's venv are made in the
+# background while the main lane runs (.ci/run must fit 50 minutes:
+# docs/decisions/0056).
 # Idempotent; exits non-zero on the first failure. Extra arguments go to the
 # main lane's first pytest run (e.g. `bash scripts/test.sh -m stress`);
 # NPUKV_LANES picks lanes (default "main 0.23 0.33"). Each lane prints its wall
@@ -45,9 +46,9 @@ lane_end() {
     echo "== lane $_lane: $((SECONDS - _lane_start)) s"
     _lane=""
 }
-# (and a failure never leaves the 0.23 stack's install half done: it is waited for)
+# (and a failure never leaves a background setup half done: it is waited for)
 trap '[ -z "$_lane" ] || echo "== lane $_lane: failed after $((SECONDS - _lane_start)) s"
-[ -z "${_v023_stack:-}" ] || wait "$_v023_stack" 2>/dev/null || true' EXIT
+[ -z "${_bg_setup:-}" ] || wait "$_bg_setup" 2>/dev/null || true' EXIT
 # `timed NAME CMD...`: run CMD (in this shell: `source` leaves its variables)
 # and print its wall time
 timed() {
@@ -61,20 +62,41 @@ timed() {
 # venv imports, and its ruff and mypy check the whole tree.
 timed "setup .venv (vLLM 0.32)" source scripts/setup_env.sh
 
-# The vLLM 0.23 stack (about 3 GB from PyPI, most of that lane's setup time)
-# downloads and installs while the main lane's tests run, its output kept in
-# a log that a failure prints; the 0.23 lane waits for it.
-_v023_stack=""
-if lane 0.23 && lane main; then
-    _v023_log=$(mktemp)
+# The other lanes' venvs (the vLLM 0.23 stack: about 3 GB from PyPI, most of
+# that lane's setup time; the vLLM 0.33 overlay) are made in the background
+# while the main lane's tests run, their output kept in a log that a failure
+# prints; the first lane after main waits for them. The package goes into
+# .venv-vllm023 only afterwards (see scripts/setup_vllm023.sh).
+_bg_setup=""
+if lane main && { lane 0.23 || lane 0.33; }; then
+    _bg_log=$(mktemp)
     (
-        export NPUKV_STACK_ONLY=1
-        start=$SECONDS
-        source scripts/setup_vllm023.sh
-        echo "== setup .venv-vllm023's vLLM stack (beside the main lane): $((SECONDS - start)) s"
-    ) >"$_v023_log" 2>&1 &
-    _v023_stack=$!
+        if lane 0.23; then
+            start=$SECONDS
+            NPUKV_STACK_ONLY=1 source scripts/setup_vllm023.sh
+            echo "== setup .venv-vllm023's vLLM stack (beside the main lane): $((SECONDS - start)) s"
+        fi
+        if lane 0.33; then
+            start=$SECONDS
+            source scripts/setup_vllm033.sh
+            echo "== setup .venv-vllm033 (beside the main lane): $((SECONDS - start)) s"
+        fi
+    ) >"$_bg_log" 2>&1 &
+    _bg_setup=$!
 fi
+# wait_bg_setup: the background setups' end; their log on a failure
+wait_bg_setup() {
+    [ -n "$_bg_setup" ] || return 0
+    if ! wait "$_bg_setup"; then
+        _bg_setup=""
+        cat "$_bg_log" >&2
+        echo "== a setup beside the main lane failed (its output above)" >&2
+        exit 1
+    fi
+    _bg_setup=""
+    grep '^== ' "$_bg_log" || true
+    rm -f "$_bg_log"
+}
 
 if lane main; then
     lane_begin "vLLM 0.32 (main)"
@@ -98,17 +120,7 @@ if lane main; then
 fi
 
 if lane 0.23; then
-    if [ -n "$_v023_stack" ]; then
-        if ! wait "$_v023_stack"; then
-            cat "$_v023_log" >&2
-            echo "== setup .venv-vllm023's vLLM stack failed (its output above)" >&2
-            _v023_stack=""
-            exit 1
-        fi
-        _v023_stack=""
-        grep '^== ' "$_v023_log" || true
-        rm -f "$_v023_log"
-    fi
+    wait_bg_setup
     timed "setup .venv-vllm023 (vLLM 0.23)" source scripts/setup_vllm023.sh
     lane_begin "vLLM 0.23"
     echo "== pytest: vLLM 0.23 lane"
@@ -125,6 +137,7 @@ if lane 0.23; then
 fi
 
 if lane 0.33; then
+    wait_bg_setup
     timed "setup .venv-vllm033 (vLLM 0.33)" source scripts/setup_vllm033.sh
     lane_begin "vLLM 0.33"
     echo "== pytest: vLLM 0.33 lane (the connector's tests)"
