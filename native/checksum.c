@@ -13,12 +13,22 @@
 #include <xxhash.h>
 
 #include <errno.h>
+#include <limits.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #define NKV_MAX_PARTS 64
+
+/* The most rows (times layers) one call takes. Each row gets an 8-byte digest
+ * and, in pread_*_xxh3, an XXH3_state_t, so below this bound neither
+ * nlayers * nrows * 8 nor nrows * sizeof(XXH3_state_t) can overflow: empty
+ * parts pass the multiple-of-nrows check with any nrows. The twin checks the
+ * same bound (_twin._MAX_ROWS). */
+#define NKV_MAX_ROWS (PY_SSIZE_T_MAX / 1024)
+_Static_assert(sizeof(XXH3_state_t) <= 1024, "NKV_MAX_ROWS assumes states <= 1 KiB");
 
 #define NKV_HASH_ROWS_NAME nkv_hash_rows_baseline
 #define NKV_HASH_RANGE_NAME nkv_hash_range_baseline
@@ -97,23 +107,27 @@ nkv_hash_range(XXH3_state_t *states, const char *data, size_t row_bytes, size_t 
     nkv_hash->range(states, data, row_bytes, pos, end);
 }
 
-/* `parts` as a fast sequence of 1..NKV_MAX_PARTS items, with nrows >= 1; NULL
- * with TypeError or ValueError naming `fn` otherwise. */
+/* `parts` as a tuple of 1..NKV_MAX_PARTS items, with 1..NKV_MAX_ROWS rows;
+ * NULL with TypeError or ValueError naming `fn` otherwise. A tuple (a copy of
+ * a list): converting an item may run Python code that changes the list. */
 static PyObject *
 nkv_parts_seq(const char *fn, PyObject *parts, Py_ssize_t nrows, const char *items)
 {
-    PyObject *seq = PySequence_Fast(parts, "parts must be a sequence");
+    PyObject *seq = nkv_tuple_of(parts, "parts must be a sequence");
     if (seq == NULL) {
-        PyErr_Format(PyExc_TypeError, "%s: parts is %.100s, expected a sequence of %s",
-                     fn, Py_TYPE(parts)->tp_name, items);
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Format(PyExc_TypeError,
+                         "%s: parts is %.100s, expected a sequence of %s", fn,
+                         Py_TYPE(parts)->tp_name, items);
+        }
         return NULL;
     }
     Py_ssize_t nparts = PySequence_Fast_GET_SIZE(seq);
-    if (nparts < 1 || nparts > NKV_MAX_PARTS || nrows < 1) {
+    if (nparts < 1 || nparts > NKV_MAX_PARTS || nrows < 1 || nrows > NKV_MAX_ROWS) {
         PyErr_Format(PyExc_ValueError,
                      "%s: found %zd parts and %zd rows, expected 1..%d parts and "
-                     ">= 1 row",
-                     fn, nparts, nrows, NKV_MAX_PARTS);
+                     "1..%zd rows",
+                     fn, nparts, nrows, NKV_MAX_PARTS, (Py_ssize_t)NKV_MAX_ROWS);
         Py_DECREF(seq);
         return NULL;
     }
@@ -288,15 +302,17 @@ nkv_pread_layers(const char *fn, int fd, PyObject *layers, Py_ssize_t nrows)
     char *bounce = NULL;
     int err = 0;
 
-    layer_seq = PySequence_Fast(layers, "layers must be a sequence");
+    layer_seq = nkv_tuple_of(layers, "layers must be a sequence");
     if (layer_seq == NULL) {
         return NULL;
     }
     Py_ssize_t nlayers = PySequence_Fast_GET_SIZE(layer_seq);
-    if (nlayers < 1 || nrows < 1) {
+    /* nlayers * nrows bounded: the digests and the row states below */
+    if (nlayers < 1 || nrows < 1 || nrows > NKV_MAX_ROWS / nlayers) {
         PyErr_Format(PyExc_ValueError,
-                     "%s: found %zd layers and %zd rows, expected >= 1 of each", fn,
-                     nlayers, nrows);
+                     "%s: found %zd layers and %zd rows, expected >= 1 of each "
+                     "and layers * rows <= %zd",
+                     fn, nlayers, nrows, (Py_ssize_t)NKV_MAX_ROWS);
         goto done;
     }
     Py_ssize_t capacity = 0; /* parts in all layers, checked one by one below */
@@ -341,11 +357,14 @@ nkv_pread_layers(const char *fn, int fd, PyObject *layers, Py_ssize_t nrows)
                 goto done;
             }
             nviews++;
-            if (offsets[i] < 0 || views[i].len % nrows != 0) {
+            /* offset + bytes fits: the file offsets of every piece do too */
+            if (offsets[i] < 0 || offsets[i] > LLONG_MAX - views[i].len ||
+                views[i].len % nrows != 0) {
                 PyErr_Format(PyExc_ValueError,
                              "%s: layer %zd part %zd has offset %lld and %zd bytes, "
-                             "expected offset >= 0 and a multiple of %zd rows",
-                             fn, l, p, offsets[i], views[i].len, nrows);
+                             "expected offset >= 0, offset + bytes <= %lld and a "
+                             "multiple of %zd rows",
+                             fn, l, p, offsets[i], views[i].len, LLONG_MAX, nrows);
                 Py_DECREF(parts);
                 goto done;
             }
@@ -378,9 +397,9 @@ nkv_pread_layers(const char *fn, int fd, PyObject *layers, Py_ssize_t nrows)
     Py_END_ALLOW_THREADS
     if (err != 0) {
         Py_CLEAR(out);
-        char what[96];
-        PyOS_snprintf(what, sizeof(what), "%s%s", fn,
-                      err == EIO ? " (short read or I/O error)" : "");
+        char what[96]; /* glibc's snprintf: checked (__snprintf_chk) with fortify */
+        snprintf(what, sizeof(what), "%s%s", fn,
+                 err == EIO ? " (short read or I/O error)" : "");
         nkv_err_set(what, err);
     }
 done:

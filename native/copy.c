@@ -155,6 +155,13 @@ nkv_copy_check_runs(const Py_buffer *view)
                         "C-contiguous [k, 5] int64 array");
         return -1;
     }
+    /* The shape is the exporter's word: bound it before sizing anything by it */
+    if (view->shape[0] < 0 || view->shape[0] > NKV_MAX_RUNS) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_runs: runs has %zd rows, expected 0..%zd",
+                     view->shape[0], (Py_ssize_t)NKV_MAX_RUNS);
+        return -1;
+    }
     return 0;
 }
 
@@ -404,9 +411,10 @@ nkv_copy_acquire(nkv_copy_args *a, PyObject *srcs, PyObject *dsts, PyObject *run
     if (nkv_copy_check_runs(&a->runs_view) < 0) {
         return -1;
     }
-    a->srcs_seq = PySequence_Fast(srcs, "copy_runs: srcs must be a sequence");
+    /* tuples: a __buffer__ run while the views are taken cannot resize them */
+    a->srcs_seq = nkv_tuple_of(srcs, "copy_runs: srcs must be a sequence");
     a->dsts_seq = a->srcs_seq == NULL ? NULL
-                  : PySequence_Fast(dsts, "copy_runs: dsts must be a sequence");
+                  : nkv_tuple_of(dsts, "copy_runs: dsts must be a sequence");
     if (a->dsts_seq == NULL) {
         return -1;
     }

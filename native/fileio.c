@@ -23,6 +23,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -110,17 +111,18 @@ nkv_page_residency(PyObject *module, PyObject *args)
     if (!PyArg_ParseTuple(args, "iLL:page_residency", &fd, &offset, &nbytes)) {
         return NULL;
     }
-    if (offset < 0 || nbytes < 0) {
+    if (offset < 0 || nbytes < 0 || offset > LLONG_MAX - nbytes) {
         PyErr_Format(PyExc_ValueError,
                      "page_residency: found offset %lld and nbytes %lld, expected "
-                     "both >= 0",
-                     offset, nbytes);
+                     "both >= 0 and offset + nbytes <= %lld",
+                     offset, nbytes, LLONG_MAX);
         return NULL;
     }
     long long page = sysconf(_SC_PAGESIZE);
     long long start = offset - offset % page;
     long long span = offset + nbytes - start;
-    Py_ssize_t pages = (Py_ssize_t)((span + page - 1) / page);
+    /* rounded up without span + page - 1, which could overflow */
+    Py_ssize_t pages = (Py_ssize_t)(span / page + (span % page != 0));
     out = PyBytes_FromStringAndSize(NULL, pages);
     if (out == NULL || pages == 0) {
         return out;
@@ -157,7 +159,7 @@ nkv_cached_pages_mincore(int fd, const long long *ranges, Py_ssize_t n,
         return 0; /* every range is empty */
     }
     long long start = first - first % page;
-    size_t pages = (size_t)((end - start + page - 1) / page);
+    size_t pages = (size_t)((end - start) / page + ((end - start) % page != 0));
     unsigned char *vec = malloc(pages);
     if (vec == NULL) {
         return ENOMEM;
@@ -225,11 +227,13 @@ nkv_cached_pages(PyObject *module, PyObject *args)
     }
     const long long *ranges = (const long long *)view.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (ranges[2 * i] < 0 || ranges[2 * i + 1] < 0) {
+        /* offset + nbytes fits: the mincore path adds them */
+        if (ranges[2 * i] < 0 || ranges[2 * i + 1] < 0 ||
+            ranges[2 * i] > LLONG_MAX - ranges[2 * i + 1]) {
             PyErr_Format(PyExc_ValueError,
                          "cached_pages: range %zd has offset %lld and nbytes "
-                         "%lld, expected both >= 0",
-                         i, ranges[2 * i], ranges[2 * i + 1]);
+                         "%lld, expected both >= 0 and offset + nbytes <= %lld",
+                         i, ranges[2 * i], ranges[2 * i + 1], LLONG_MAX);
             PyBuffer_Release(&view);
             return NULL;
         }

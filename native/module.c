@@ -31,6 +31,24 @@ nkv_err_set(const char *what, int err)
     return NULL;
 }
 
+PyObject *
+nkv_tuple_of(PyObject *obj, const char *msg)
+{
+    if (PyTuple_Check(obj)) {
+        return Py_NewRef(obj);
+    }
+    PyObject *iter = PyObject_GetIter(obj);
+    if (iter == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_SetString(PyExc_TypeError, msg);
+        }
+        return NULL;
+    }
+    PyObject *items = PySequence_Tuple(iter);
+    Py_DECREF(iter);
+    return items;
+}
+
 static int
 nkv_exec(PyObject *module)
 {

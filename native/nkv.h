@@ -24,6 +24,12 @@
 /* Set an OSError from errno `err` naming what failed; returns NULL. */
 PyObject *nkv_err_set(const char *what, int err);
 
+/* `obj`'s items as a new tuple (a tuple itself, with a new reference); NULL
+ * with TypeError(`msg`) where obj is not iterable. PySequence_Fast would hand
+ * back a list itself, which Python code run while its items are converted (an
+ * __index__, a __buffer__) could shrink under the caller's indices. */
+PyObject *nkv_tuple_of(PyObject *obj, const char *msg);
+
 /* copy.c's copying half, shared with ptrs.c's copy_ptrs. */
 #define NKV_COPY_MAX_THREADS 64
 
@@ -33,6 +39,13 @@ typedef struct {
     const char *src;
     size_t nbytes;
 } nkv_run;
+
+/* The most runs one copy_runs or copy_ptrs call takes: (k + 1) runs of up to
+ * 32 bytes each (and k offsets) then stay below PY_SSIZE_T_MAX, whatever
+ * shape a buffer exporter claims (numpy's as_strided claims any). The twin
+ * checks the same bound (_twin._MAX_RUNS). */
+#define NKV_MAX_RUNS (PY_SSIZE_T_MAX / 64)
+_Static_assert(sizeof(nkv_run) <= 32, "NKV_MAX_RUNS assumes runs of <= 32 bytes");
 
 /* Copy runs[0..k) (memmove each), `total` bytes in all, on up to `nthreads`
  * threads from _COPY_THREAD_MINSIZE bytes on; no Python object is touched, so

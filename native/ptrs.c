@@ -8,9 +8,10 @@
  *   thread, runs in order). Across threads no run may overlap another.
  *
  * The three arrays are 1-D native int64 buffers of one length (numpy arrays);
- * nkv_ptr_acquire checks every entry (size >= 0, non-zero addresses for a
- * non-empty run, sizes adding up to at most PY_SSIZE_T_MAX) before anything
- * is copied or enqueued, for copy_ptrs and for device.c's batches alike. The
+ * nkv_ptr_acquire checks every entry (at most NKV_MAX_RUNS runs, size >= 0,
+ * non-zero addresses for a non-empty run, no run ending past INT64_MAX, sizes
+ * adding up to at most PY_SSIZE_T_MAX) before anything is copied or enqueued,
+ * for copy_ptrs and for device.c's batches alike. The
  * addresses themselves cannot be checked: the caller guarantees that each run
  * lies in memory it owns and that stays alive until the copy is done.
  */
@@ -97,6 +98,14 @@ nkv_ptr_check_run(const char *fn, nkv_ptr_args *a, Py_ssize_t i)
                      fn, i, (long long)src, (long long)dst, (long long)size);
         return -1;
     }
+    if (size > 0 && (src > INT64_MAX - size || dst > INT64_MAX - size)) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: run %zd has src %lld and dst %lld + size %lld, expected "
+                     "each to end at or below %lld",
+                     fn, i, (long long)src, (long long)dst, (long long)size,
+                     (long long)INT64_MAX);
+        return -1;
+    }
     if ((uint64_t)size > (uint64_t)PY_SSIZE_T_MAX - a->total) {
         PyErr_Format(PyExc_ValueError,
                      "%s: the sizes add up to more than %zd, expected at most that",
@@ -134,6 +143,13 @@ nkv_ptr_acquire(const char *fn, PyObject *const objs[3], nkv_ptr_args *a)
                          fn, nkv_ptr_names[i], a->views[i].shape[0], a->k);
             return -1;
         }
+    }
+    /* The shape is the exporter's word (as_strided claims any): bound it before
+     * sizing the runs by it. */
+    if (a->k > NKV_MAX_RUNS) {
+        PyErr_Format(PyExc_ValueError, "%s: found %zd runs, expected at most %zd", fn,
+                     a->k, (Py_ssize_t)NKV_MAX_RUNS);
+        return -1;
     }
     a->runs = PyMem_Malloc(((size_t)a->k + 1) * sizeof(nkv_run));
     if (a->runs == NULL) {

@@ -375,19 +375,26 @@ nkv_uring_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"entries", "punt_reads", NULL};
     struct io_uring_params params;
-    int entries;
+    PyObject *entries_obj;
+    Py_ssize_t entries;
     int punt_reads = 0;
     int fd;
     int err = 0;
     nkv_uring *self;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|p:Uring", kwlist, &entries,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|p:Uring", kwlist, &entries_obj,
                                      &punt_reads)) {
         return NULL;
     }
+    /* Any int: one past the range of a C int is a ValueError, not OverflowError
+     * (NULL: clamped to the Py_ssize_t range) */
+    entries = PyNumber_AsSsize_t(entries_obj, NULL);
+    if (entries == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
     if (entries < 1 || entries > NKV_URING_MAX_ENTRIES) {
-        return PyErr_Format(PyExc_ValueError, "Uring: found %d entries, expected 1..%d",
-                            entries, NKV_URING_MAX_ENTRIES);
+        return PyErr_Format(PyExc_ValueError, "Uring: found %R entries, expected 1..%d",
+                            entries_obj, NKV_URING_MAX_ENTRIES);
     }
     self = (nkv_uring *)type->tp_alloc(type, 0); /* zeroed */
     if (self == NULL) {
@@ -529,7 +536,11 @@ nkv_prepare(nkv_uring *self, PyObject *request, Py_ssize_t index)
     slot = &self->slots[slot_index];
     int vectored = PyList_Check(buffer) || PyTuple_Check(buffer);
     if (vectored) {
-        if (nkv_slot_take_vector(slot, buffer, op, index) < 0) {
+        /* a tuple: a __buffer__ run while the views are taken cannot resize it */
+        PyObject *buffers = PySequence_Tuple(buffer);
+        int rc = buffers == NULL ? -1 : nkv_slot_take_vector(slot, buffers, op, index);
+        Py_XDECREF(buffers);
+        if (rc < 0) {
             return -1;
         }
     } else if (PyObject_GetBuffer(buffer, &slot->view,
@@ -706,22 +717,31 @@ nkv_harvest(nkv_uring *self)
 static PyObject *
 nkv_uring_reap(nkv_uring *self, PyObject *args)
 {
-    int min_complete = 1;
+    PyObject *min_obj = NULL;
+    Py_ssize_t min_complete = 1;
     unsigned wanted;
     PyObject *out;
 
-    if (!PyArg_ParseTuple(args, "|i:reap", &min_complete)) {
+    if (!PyArg_ParseTuple(args, "|O:reap", &min_obj)) {
         return NULL;
+    }
+    /* Any int: more than is in flight waits for all of it, as the thread
+     * engine does (NULL: clamped to the Py_ssize_t range) */
+    if (min_obj != NULL) {
+        min_complete = PyNumber_AsSsize_t(min_obj, NULL);
+        if (min_complete == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
     }
     if (min_complete < 0) {
         return PyErr_Format(PyExc_ValueError,
-                            "reap: found min_complete %d, expected >= 0", min_complete);
+                            "reap: found min_complete %R, expected >= 0", min_obj);
     }
     if (nkv_uring_acquire(self, "reap") < 0) {
         return NULL;
     }
-    wanted = (unsigned)min_complete < self->in_flight ? (unsigned)min_complete
-                                                      : self->in_flight;
+    wanted = (size_t)min_complete < self->in_flight ? (unsigned)min_complete
+                                                    : self->in_flight;
     while (nkv_cq_ready(self) + self->num_local < wanted) {
         int rc;
         int err = 0;

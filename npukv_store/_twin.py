@@ -39,6 +39,12 @@ SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
 BOUNCE_ABOVE_BYTES = 256 * 1024
 _COPY_MAX_THREADS = 64  # native/copy.c NKV_COPY_MAX_THREADS
 _MAX_PARTS = 64  # native/checksum.c NKV_MAX_PARTS
+#: native/checksum.c NKV_MAX_ROWS: rows (times layers) one hashing call takes
+_MAX_ROWS = sys.maxsize // 1024
+#: native/nkv.h NKV_MAX_RUNS: runs one copy_runs or copy_ptrs call takes
+_MAX_RUNS = sys.maxsize // 64
+#: C's LLONG_MAX (INT64_MAX): no file offset or address range may end past it
+_INT64_MAX = 2**63 - 1
 _NATIVE_ORDER = "<" if sys.byteorder == "little" else ">"
 
 
@@ -76,10 +82,10 @@ def sync_file_range(
 def page_residency(fd: int, offset: int, nbytes: int, /) -> bytes:
     """native/fileio.c's mincore over a private read-only mapping (a copy
     mapping, so ctypes can take its address; unwritten pages stay the file's)."""
-    if offset < 0 or nbytes < 0:
+    if offset < 0 or nbytes < 0 or offset > _INT64_MAX - nbytes:
         raise ValueError(
             f"page_residency: found offset {offset} and nbytes {nbytes}, "
-            "expected both >= 0"
+            f"expected both >= 0 and offset + nbytes <= {_INT64_MAX}"
         )
     start = offset - offset % mmap.PAGESIZE
     span = offset + nbytes - start
@@ -120,12 +126,14 @@ def cached_pages(fd: int, ranges: BufferLike, /) -> bytes:
             "(offset, nbytes) pairs (a multiple of 16)"
         )
     pairs = raw.view(np.int64).reshape(-1, 2)
-    bad = np.nonzero((pairs < 0).any(axis=1))[0]
+    # offset + nbytes past INT64_MAX, found without an int64 sum that wraps
+    room = _INT64_MAX - np.maximum(pairs[:, 1], 0)
+    bad = np.nonzero((pairs < 0).any(axis=1) | (pairs[:, 0] > room))[0]
     if len(bad):
         offset, nbytes = pairs[bad[0]].tolist()
         raise ValueError(
             f"cached_pages: range {bad[0]} has offset {offset} and nbytes "
-            f"{nbytes}, expected both >= 0"
+            f"{nbytes}, expected both >= 0 and offset + nbytes <= {_INT64_MAX}"
         )
     counts = np.zeros(len(pairs), dtype=np.uint64)
     used = pairs[:, 1] > 0
@@ -141,12 +149,18 @@ def cached_pages(fd: int, ranges: BufferLike, /) -> bytes:
     return counts.tobytes()
 
 
-def xxh3_rows(parts: Sequence[BufferLike], nrows: int, /) -> bytes:
-    if not 1 <= len(parts) <= _MAX_PARTS or nrows < 1:
+def _check_parts(fn: str, nparts: int, nrows: int) -> None:
+    """native/checksum.c's nkv_parts_seq: 1.._MAX_PARTS parts, 1.._MAX_ROWS
+    rows (an empty part passes the multiple-of-nrows check with any nrows)."""
+    if not 1 <= nparts <= _MAX_PARTS or not 1 <= nrows <= _MAX_ROWS:
         raise ValueError(
-            f"xxh3_rows: found {len(parts)} parts and {nrows} rows, expected "
-            f"1..{_MAX_PARTS} parts and >= 1 row"
+            f"{fn}: found {nparts} parts and {nrows} rows, expected "
+            f"1..{_MAX_PARTS} parts and 1..{_MAX_ROWS} rows"
         )
+
+
+def xxh3_rows(parts: Sequence[BufferLike], nrows: int, /) -> bytes:
+    _check_parts("xxh3_rows", len(parts), nrows)
     views = [memoryview(part).cast("B") for part in parts]
     for index, view in enumerate(views):
         if len(view) % nrows:
@@ -167,32 +181,53 @@ def xxh3_rows(parts: Sequence[BufferLike], nrows: int, /) -> bytes:
 def pread_rows_xxh3(fd: int, parts: Sequence[tuple[Any, ...]], nrows: int, /) -> bytes:
     """Each ``(offset, buffer[, reversed])`` part read row by row into place,
     then xxh3_rows over the rows in file order."""
-    in_file_order = []
-    for index, (offset, buffer, *flag) in enumerate(parts):
-        view = memoryview(buffer).cast("B")
-        if offset < 0 or nrows < 1 or len(view) % nrows:
-            raise ValueError(
-                f"pread_rows_xxh3: part {index} has offset {offset} and "
-                f"{len(view)} bytes, expected offset >= 0 and a multiple of "
-                f"{nrows} rows"
-            )
-        rows = np.frombuffer(view, np.uint8).reshape(nrows, -1)
-        order = range(nrows)[::-1] if flag and flag[0] else range(nrows)
-        for j, row in enumerate(order):
-            _pread_full(fd, rows[row].data, offset + j * rows.shape[1])
-        in_file_order.append(rows[list(order)])
-    return xxh3_rows(in_file_order, nrows)
+    return _pread_layers("pread_rows_xxh3", fd, [parts], nrows)
 
 
 def pread_layers_xxh3(
     fd: int, layers: Sequence[Sequence[tuple[Any, ...]]], nrows: int, /
 ) -> bytes:
-    if not layers or nrows < 1:
+    return _pread_layers("pread_layers_xxh3", fd, layers, nrows)
+
+
+def _pread_layers(
+    fn: str, fd: int, layers: Sequence[Sequence[tuple[Any, ...]]], nrows: int
+) -> bytes:
+    """native/checksum.c's nkv_pread_layers: every layer and part checked (in
+    its order, with its messages) before the first read, then each layer's
+    parts read and hashed."""
+    if not layers or nrows < 1 or nrows > _MAX_ROWS // len(layers):
         raise ValueError(
-            f"pread_layers_xxh3: found {len(layers)} layers and {nrows} rows, "
-            "expected >= 1 of each"
+            f"{fn}: found {len(layers)} layers and {nrows} rows, expected >= 1 of "
+            f"each and layers * rows <= {_MAX_ROWS}"
         )
-    return b"".join(pread_rows_xxh3(fd, parts, nrows) for parts in layers)
+    checked: list[list[tuple[int, memoryview, bool]]] = []
+    for layer, parts in enumerate(layers):
+        _check_parts(fn, len(parts), nrows)
+        checked.append([])
+        for index, (offset, buffer, *flag) in enumerate(parts):
+            view = memoryview(buffer).cast("B")
+            if offset < 0 or offset > _INT64_MAX - len(view) or len(view) % nrows:
+                raise ValueError(
+                    f"{fn}: layer {layer} part {index} has offset {offset} and "
+                    f"{len(view)} bytes, expected offset >= 0, offset + bytes <= "
+                    f"{_INT64_MAX} and a multiple of {nrows} rows"
+                )
+            checked[-1].append((offset, view, bool(flag and flag[0])))
+    return b"".join(_pread_layer(fd, parts, nrows) for parts in checked)
+
+
+def _pread_layer(
+    fd: int, parts: list[tuple[int, memoryview, bool]], nrows: int
+) -> bytes:
+    in_file_order = []
+    for offset, view, reversed_ in parts:
+        rows = np.frombuffer(view, np.uint8).reshape(nrows, -1)
+        order = range(nrows)[::-1] if reversed_ else range(nrows)
+        for j, row in enumerate(order):
+            _pread_full(fd, rows[row].data, offset + j * rows.shape[1])
+        in_file_order.append(rows[list(order)])
+    return xxh3_rows(in_file_order, nrows)
 
 
 def _pread_full(fd: int, view: memoryview, offset: int) -> None:
@@ -269,6 +304,10 @@ def _run_rows(runs: BufferLike) -> list[list[int]]:
             "copy_runs: runs is not C-contiguous, expected a C-contiguous [k, 5] "
             "int64 array"
         )
+    if view.shape[0] > _MAX_RUNS:  # the exporter's word (as_strided claims any)
+        raise ValueError(
+            f"copy_runs: runs has {view.shape[0]} rows, expected 0..{_MAX_RUNS}"
+        )
     # memoryview refuses to cast a view with a 0 in its shape
     flat: list[int] = view.cast("B").cast("q").tolist() if view.nbytes else []
     return [flat[i : i + 5] for i in range(0, len(flat), 5)]
@@ -342,8 +381,9 @@ def copy_ptrs(
 def _ptr_runs(fn: str, arrays: tuple[BufferLike, ...]) -> list[tuple[int, int, int]]:
     """``(src, dst, size)`` rows of three int64 arrays, checked as native/ptrs.c
     checks them."""
-    columns: list[list[int]] = []
-    for name, array in zip(("src_ptrs", "dst_ptrs", "sizes"), arrays, strict=True):
+    names = ("src_ptrs", "dst_ptrs", "sizes")
+    views: list[memoryview] = []
+    for name, array in zip(names, arrays, strict=True):
         view = memoryview(array)
         if (
             view.itemsize != 8
@@ -356,12 +396,18 @@ def _ptr_runs(fn: str, arrays: tuple[BufferLike, ...]) -> list[tuple[int, int, i
                 f"and {view.ndim} dimensions, expected a 1-D C-contiguous native "
                 "int64 array"
             )
-        columns.append(view.tolist())
-        if len(columns[-1]) != len(columns[0]):
+        views.append(view)
+    for name, view in zip(names[1:], views[1:], strict=True):
+        if len(view) != len(views[0]):
             raise ValueError(
-                f"{fn}: {name} has {len(columns[-1])} entries and src_ptrs "
-                f"{len(columns[0])}, expected equal lengths"
+                f"{fn}: {name} has {len(view)} entries and src_ptrs "
+                f"{len(views[0])}, expected equal lengths"
             )
+    if len(views[0]) > _MAX_RUNS:  # the exporter's word (as_strided claims any)
+        raise ValueError(
+            f"{fn}: found {len(views[0])} runs, expected at most {_MAX_RUNS}"
+        )
+    columns: list[list[int]] = [view.tolist() for view in views]
     total = 0
     for index, (src, dst, size) in enumerate(zip(*columns, strict=True)):
         if size < 0:
@@ -370,6 +416,11 @@ def _ptr_runs(fn: str, arrays: tuple[BufferLike, ...]) -> list[tuple[int, int, i
             raise ValueError(
                 f"{fn}: run {index} has src {src} and dst {dst}, expected non-zero "
                 f"addresses (> 0) for a run of {size} bytes"
+            )
+        if size > 0 and (src > _INT64_MAX - size or dst > _INT64_MAX - size):
+            raise ValueError(
+                f"{fn}: run {index} has src {src} and dst {dst} + size {size}, "
+                f"expected each to end at or below {_INT64_MAX}"
             )
         total += size
         if total > sys.maxsize:

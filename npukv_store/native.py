@@ -116,7 +116,7 @@ def page_residency(fd: int, offset: int, nbytes: int) -> np.ndarray:
 
     Raises:
         OSError: the file cannot be mapped (a filesystem without mmap).
-        ValueError: a negative offset or size.
+        ValueError: a negative offset or size, or offset + size past 2**63 - 1.
     """
     return np.frombuffer(_page_residency(fd, offset, nbytes), dtype=np.uint8)
 
@@ -131,7 +131,7 @@ def cached_pages(fd: int, ranges: np.ndarray) -> np.ndarray:
 
     Raises:
         OSError: neither can be asked (a filesystem without mmap, a bad fd).
-        ValueError: a negative offset or size.
+        ValueError: a negative offset or size, or offset + size past 2**63 - 1.
     """
     pairs = np.ascontiguousarray(ranges, dtype=np.int64).reshape(-1, 2)
     return np.frombuffer(_cached_pages(fd, pairs), dtype=np.uint64).astype(np.int64)
@@ -152,7 +152,10 @@ def pread_rows_xxh3(
 
     Raises:
         OSError: a read failed, or came back short (EIO: the file ends early).
-        ValueError: no parts, more than 64, or a part that is not whole rows.
+        ValueError: no parts, more than 64, a part that is not whole rows or
+            whose offset + size passes 2**63 - 1, or ``num_rows`` outside
+            1..2**53 - 1 (_twin._MAX_ROWS: empty parts are whole rows of any
+            count, and the digests and row states must stay addressable).
     """
     return np.frombuffer(_pread_rows_xxh3(fd, parts, num_rows), dtype="<u8")
 
@@ -167,7 +170,8 @@ def pread_layers_xxh3(
 
     Raises:
         OSError: a read failed or came back short; which layer is not said.
-        ValueError: no layers, or a layer ``pread_rows_xxh3`` would refuse.
+        ValueError: no layers, layers x ``num_rows`` past 2**53 - 1, or a
+            layer ``pread_rows_xxh3`` would refuse.
     """
     found = np.frombuffer(_pread_layers_xxh3(fd, layers, num_rows), dtype="<u8")
     return found.reshape(len(layers), num_rows)
@@ -179,6 +183,10 @@ def xxh3_rows(parts: Sequence[BufferLike], num_rows: int) -> np.ndarray:
     Each part is a C-contiguous buffer of ``num_rows`` equal rows (1 to 64
     parts). Native: one call, GIL released (I/O threads run meanwhile). Twin:
     python-xxhash.
+
+    Raises:
+        ValueError: no parts, more than 64, a part that is not whole rows, or
+            ``num_rows`` outside 1..2**53 - 1.
     """
     return np.frombuffer(_xxh3_rows(parts, num_rows), dtype="<u8")
 
@@ -218,8 +226,9 @@ def copy_runs(
     Raises:
         ValueError: a run outside its buffers or with ``nbytes < 0`` (then
             nothing is copied); ``runs`` not int64 ``[k, 5]``; a src (dst)
-            that is not a (writable) C-contiguous buffer; ``threads`` not in
-            0..64. Each message names the run or argument, found vs expected.
+            that is not a (writable) C-contiguous buffer; more than 2**57 - 1
+            runs (_twin._MAX_RUNS); ``threads`` not in 0..64. Each message
+            names the run or argument, found vs expected.
         TypeError: ``srcs``/``dsts`` not sequences, or an item not a buffer.
     """
     num_threads = 0 if threads is None else threads
@@ -246,8 +255,9 @@ def copy_ptrs(
         The bytes copied.
 
     Raises:
-        ValueError: an array not 1-D int64, lengths that differ, a negative
-            size or a zero address (then nothing is copied); ``threads`` not
+        ValueError: an array not 1-D int64, lengths that differ, more than
+            2**57 - 1 runs, a negative size, a zero address or a run ending
+            past address 2**63 - 1 (then nothing is copied); ``threads`` not
             in 0..64.
     """
     num_threads = 0 if threads is None else threads

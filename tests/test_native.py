@@ -11,6 +11,7 @@ import errno
 import inspect
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -529,3 +530,112 @@ def test_large_parts_stream_through_the_bounce_buffer_exactly(
     assert found.tolist() == [xxhash.xxh3_64(row.tobytes()).intdigest() for row in data]
     np.testing.assert_array_equal(arena[:misalign], before[:misalign])
     np.testing.assert_array_equal(arena[misalign + data.nbytes :], before[-guard:])
+
+
+# -- sizes whose arithmetic would overflow (security review, finding 8) --------
+# Empty parts pass the multiple-of-nrows check with any nrows, and offsets or
+# addresses plus lengths can pass INT64_MAX: each call below once wrapped a
+# size in C (SIGSEGV, a heap overflow) or raised something else than the
+# twin. tests/security/test_native.py runs the same in child processes.
+INT64_MAX = 2**63 - 1
+MAX_ROWS = INT64_MAX // 1024  # native/checksum.c NKV_MAX_ROWS
+MAX_RUNS = INT64_MAX // 64  # native/nkv.h NKV_MAX_RUNS
+
+
+def _claiming(nbytes: int, ndim: int = 1) -> np.ndarray:
+    """An int64 view claiming ``nbytes`` over 40 real ones (as_strided takes
+    the caller's word, as a C exporter may); the calls never read past 40."""
+    base = np.zeros(5, np.int64)
+    if ndim == 2:
+        shape, strides = (nbytes // 40, 5), (40, 8)
+    else:
+        shape, strides = (nbytes // 8,), (8,)
+    return np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides)
+
+
+#: name -> (entry point, its arguments given a readable fd, part of the message)
+OVERFLOWS = {
+    "xxh3_rows: an empty part of 2**61 rows": (
+        "xxh3_rows", lambda fd: ([b""], 2**61), f"1..64 parts and 1..{MAX_ROWS} rows"
+    ),
+    "xxh3_rows: one row past the bound": (
+        "xxh3_rows", lambda fd: ([b"", bytearray()], MAX_ROWS + 1), "rows"
+    ),
+    "pread_rows_xxh3: an empty part of 2**61 rows": (
+        "pread_rows_xxh3", lambda fd: (fd, [(0, bytearray())], 2**61),
+        f"found 1 layers and {2**61} rows",
+    ),
+    "pread_rows_xxh3: 2**55 rows (only the row states wrap)": (
+        "pread_rows_xxh3", lambda fd: (fd, [(0, bytearray())], 2**55),
+        f"layers * rows <= {MAX_ROWS}",
+    ),
+    "pread_layers_xxh3: 4 layers of 2**61 rows": (
+        "pread_layers_xxh3", lambda fd: (fd, [[(0, bytearray())]] * 4, 2**61),
+        "found 4 layers",
+    ),
+    "pread_layers_xxh3: layers x rows past the bound": (
+        "pread_layers_xxh3",
+        lambda fd: (fd, [[(0, bytearray())]] * 8, MAX_ROWS // 8 + 1),
+        "found 8 layers",
+    ),
+    "pread_rows_xxh3: offset + bytes past INT64_MAX": (
+        "pread_rows_xxh3", lambda fd: (fd, [(INT64_MAX - 3, bytearray(8))], 1),
+        f"layer 0 part 0 has offset {INT64_MAX - 3} and 8 bytes",
+    ),
+    "pread_layers_xxh3: the 2nd layer's offset + bytes": (
+        "pread_layers_xxh3",
+        lambda fd: (fd, [[(0, bytearray(8))], [(INT64_MAX, bytearray(8))]], 1),
+        "layer 1 part 0",
+    ),
+    "page_residency: offset + nbytes past INT64_MAX": (
+        "page_residency", lambda fd: (fd, 2**62, 2**62), "offset + nbytes <="
+    ),
+    "cached_pages: offset + nbytes past INT64_MAX": (
+        "cached_pages", lambda fd: (fd, np.array([0, 1, 2**62, 2**62], np.int64)),
+        "range 1 has offset",
+    ),
+    "copy_runs: more runs than the bound": (
+        "copy_runs", lambda fd: ([b""], [bytearray()], _claiming(INT64_MAX, 2)),
+        f"rows, expected 0..{MAX_RUNS}",
+    ),
+    "copy_ptrs: a run count whose table size wraps": (
+        "copy_ptrs",
+        lambda fd: (_claiming(((2**64 + 8) // 24 - 1) * 8),) * 3,
+        f"expected at most {MAX_RUNS}",
+    ),
+    "copy_ptrs: src + size past INT64_MAX": (
+        "copy_ptrs",
+        lambda fd: tuple(np.array([v], np.int64) for v in (INT64_MAX - 8, 8, 16)),
+        "expected each to end at or below",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", OVERFLOWS)
+def test_sizes_that_would_overflow_are_refused(impl, tmp_path, name):
+    entry, arguments, message = OVERFLOWS[name]
+    path = tmp_path / "f"
+    path.write_bytes(bytes(8192))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            getattr(native, f"_{entry}")(*arguments(fd))
+    finally:
+        os.close(fd)
+
+
+@needs_native
+def test_the_twin_refuses_overflows_with_the_extensions_messages(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(8192))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for name, (entry, arguments, message) in OVERFLOWS.items():
+            messages = []
+            for module in (native.IMPL, _twin):
+                with pytest.raises(ValueError, match=re.escape(message)) as info:
+                    getattr(module, entry)(*arguments(fd))
+                messages.append(str(info.value))
+            assert messages[0] == messages[1], name
+    finally:
+        os.close(fd)

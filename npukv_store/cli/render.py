@@ -6,11 +6,21 @@ Runs in: the ``npukv`` process.
     emit()          - print sections: rich tables when ``rich`` is installed (it
                       is optional; no colour when stdout is not a terminal),
                       else plain aligned text
+    printable()     - a value with its control characters escaped
+
+Every string a report holds may come from a file anyone who can write to the
+cache wrote (chunk metadata such as the creator, namespace.json fields, tensor
+and file names): emit() escapes every title, label and cell with printable(),
+so a terminal never receives an escape sequence or BEL from them (security
+review finding 10), whichever of the two renderers prints. ``--json`` needs
+nothing more: json.dumps (ensure_ascii) writes every character outside
+space..tilde, DEL and C1 included, as a \\uNNNN escape.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -23,6 +33,36 @@ USE_RICH = importlib.util.find_spec("rich") is not None
 #: files keep one line per namespace.
 PIPE_WIDTH = 160
 _UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+#: What printable() escapes: C0 controls (ESC, BEL, CR, newline, tab too), DEL,
+#: C1 controls (0x9b is a one-byte CSI on some terminals), the line and
+#: paragraph separators and the bidirectional overrides and isolates, which
+#: reorder what a terminal shows.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+# -- escaping ------------------------------------------------------------------
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+
+
+def printable(value: object) -> str:
+    """``str(value)`` with each character of :data:`_UNPRINTABLE` written as
+    ``\\xNN`` (``\\uNNNN`` above 0xff): ``"a\\x1b[2J"`` prints as ``a\\x1b[2J``."""
+    return _UNPRINTABLE.sub(_escape, value if isinstance(value, str) else str(value))
+
+
+def _printable_section(section: Pairs | Table) -> Pairs | Table:
+    if isinstance(section, Pairs):
+        rows = [(printable(label), printable(value)) for label, value in section.rows]
+        return Pairs(printable(section.title), rows)
+    return Table(
+        printable(section.title),
+        [printable(header) for header in section.headers],
+        [[printable(cell) for cell in row] for row in section.rows],
+    )
 
 
 # -- text ----------------------------------------------------------------------
@@ -203,8 +243,10 @@ def chunk_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:
 
 
 def emit(sections: Sequence[Pairs | Table], out: TextIO | None = None) -> None:
-    """Print ``sections`` to ``out`` (stdout by default)."""
+    """Print ``sections`` to ``out`` (stdout by default), every string in them
+    escaped by :func:`printable`."""
     stream = sys.stdout if out is None else out
+    sections = [_printable_section(section) for section in sections]
     if USE_RICH:
         _emit_rich(sections, stream)
     else:
