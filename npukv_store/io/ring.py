@@ -8,6 +8,8 @@ allocator; it is held for microseconds, never across a copy or any I/O.
                 caller drops the batch and counts it: the producer never waits)
     release() - the writer is done with a region; space comes back in FIFO order
     remove_stale_rings() - unlink rings whose owner process is dead
+    scan_rings()         - the stale rings, and how many ring-named files
+                           were skipped as not ours (``RingScan``)
 
 A batch's region is laid out exactly like the chunk file it becomes (header page,
 then the data section layer by layer, then the checksum table), so the writer
@@ -28,6 +30,14 @@ Only the owner writes; other processes only read magic/format/pid to find
 stale rings, so there is no cross-process ordering to get wrong. A stale read
 of head/tail (they are for ``npukv`` inspection) costs nothing. A killed owner
 leaves the file; the next ring created in that directory removes it.
+
+/dev/shm is shared by every local user, so whatever is named like a ring there
+is untrusted: a FIFO (a plain open of it blocks), a symlink, a directory,
+another user's ring (unlinking it fails with EPERM in the sticky /dev/shm), a
+pid of 2**32 - 1 in a header (``os.kill`` overflows). The scan opens only
+regular files we own, without blocking or following links, and skips and counts
+the rest; it never raises, so nothing planted there can stall or turn off a
+worker's ring creation or gc (docs/security.md).
 """
 
 from __future__ import annotations
@@ -62,6 +72,18 @@ NAME_PREFIX = "npukv-ring-"
 #: How the stale-ring scan opens a file named like a ring: never blocking (a
 #: FIFO), never following a symlink, never leaking the fd into a child.
 _SCAN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Fresh names tried when creating a ring before giving up: a name is only
+#: taken by a leftover of a dead process with our pid and the same 32 random
+#: bits, or by a file someone planted, so the second try all but always works.
+_CREATE_TRIES = 16
+#: What one file of a scan may raise: an fs error (ELOOP for a symlink, EACCES,
+#: ENXIO for a socket, vanished), not a ring, and values no pid can have.
+_SKIP_ERRORS = (OSError, OverflowError, ValueError, BadMagic, VersionMismatch)
+
+_skipped_lock = threading.Lock()
+#: Ring-named files skipped by every scan of this process so far (not regular,
+#: another user's, unreadable, not a ring, or not removable): for stats.
+skipped_foreign = 0
 
 
 @dataclass(slots=True)
@@ -86,10 +108,10 @@ class StagingRing:
         if size_bytes < ALIGN:
             raise ValueError(f"ring size: found {size_bytes}, expected >= {ALIGN}")
         self.size = -(-size_bytes // ALIGN) * ALIGN
-        remove_stale_rings(directory)
-        name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        self.path = os.path.join(directory, name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        scan = scan_rings(directory)
+        self.stale_removed = _remove(scan.stale)
+        self.skipped_foreign = scan.skipped_foreign
+        self.path, fd = _create(directory)
         try:
             # Reserve the pages now: on tmpfs a ring larger than the free space
             # would otherwise SIGBUS on first touch, killing the process.
@@ -223,41 +245,107 @@ def read_ring_header(path: str, *, owned: bool = False) -> tuple[int, int]:
     return size, pid
 
 
-def stale_rings(directory: str = "/dev/shm") -> list[str]:
-    """Rings in ``directory`` whose owner process is dead.
+@dataclass(frozen=True, slots=True)
+class RingScan:
+    """One scan of a ring directory: the stale rings found (ours, owner dead)
+    and how many ring-named files were skipped as not ours to judge."""
+
+    stale: list[str]
+    skipped_foreign: int
+
+
+def _count_skipped(count: int) -> None:
+    global skipped_foreign
+    if count:
+        with _skipped_lock:
+            skipped_foreign += count
+
+
+def scan_rings(directory: str = "/dev/shm") -> RingScan:
+    """The rings in ``directory`` whose owner process is dead. Never raises,
+    never blocks.
 
     Only regular files owned by this user count: anything else named like a
-    ring (a FIFO, a symlink, a device, another user's file) is skipped without
-    blocking and left as it is (see :func:`read_ring_header`).
+    ring (a FIFO, a symlink, a directory, another user's file, one we cannot
+    read, a header that is not a ring's) is skipped, counted and left as it is
+    (see :func:`read_ring_header`). A header pid no process can have (0,
+    2**32 - 1) is a dead owner.
     """
     try:
         names = [n for n in os.listdir(directory) if n.startswith(NAME_PREFIX)]
-    except FileNotFoundError:
-        return []
-    stale = []
+    except OSError:
+        return RingScan([], 0)  # no such directory, or not ours to list
+    stale, skipped = [], 0
     for name in names:
         path = os.path.join(directory, name)
         try:
             _, pid = read_ring_header(path, owned=True)
-        except (OSError, BadMagic, VersionMismatch):
-            continue  # not ours to judge, or gone already
-        if not pid_alive(pid):
+            alive = pid_alive(pid)
+        except FileNotFoundError:
+            continue  # gone already: its owner closed it or another cleaner won
+        except _SKIP_ERRORS:
+            skipped += 1  # not ours to judge
+            continue
+        if not alive:
             stale.append(path)
-    return stale
+    _count_skipped(skipped)
+    return RingScan(stale, skipped)
+
+
+def stale_rings(directory: str = "/dev/shm") -> list[str]:
+    """The paths of :func:`scan_rings`' stale rings."""
+    return scan_rings(directory).stale
 
 
 def remove_stale_rings(directory: str = "/dev/shm") -> int:
-    """Unlink rings in ``directory`` whose owner is dead; returns how many."""
-    removed = 0
-    for path in stale_rings(directory):
+    """Unlink rings in ``directory`` whose owner is dead; returns how many.
+    Never raises: one that cannot be removed is skipped and counted."""
+    return _remove(scan_rings(directory).stale)
+
+
+def _remove(paths: list[str]) -> int:
+    removed = skipped = 0
+    for path in paths:
         try:
             info = os.lstat(path)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                skipped += 1  # replaced since the scan: not ours any more
+                continue
+            os.unlink(path)
         except FileNotFoundError:
             continue  # another cleaner won
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            continue  # replaced since the scan: not ours any more
-        with contextlib.suppress(FileNotFoundError):  # another cleaner won
-            os.unlink(path)
+        except OSError:
+            skipped += 1  # EPERM/EROFS: left for its owner or the operator
+            continue
         removed += 1
         logger.info("removed stale staging ring %s of a dead owner", path)
+    _count_skipped(skipped)
     return removed
+
+
+def _create(directory: str) -> tuple[str, int]:
+    """A new ring file's path and an fd open on it, under a fresh random name.
+
+    A name already taken (a planted file, a FIFO, a symlink or another user's
+    ring: O_EXCL refuses all of them, never opening or following them) is
+    retried under another name rather than failing the worker.
+
+    Raises:
+        ConfigError: every one of the fresh names was taken.
+        OSError: ``directory`` refused the create (not writable, gone).
+    """
+    last: OSError | None = None
+    for _ in range(_CREATE_TRIES):
+        name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        path = os.path.join(directory, name)
+        try:
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            return path, os.open(path, flags, 0o600)
+        except FileExistsError as exc:
+            last = exc
+            _count_skipped(1)
+    raise ConfigError(
+        f"ring directory {directory}: found every one of {_CREATE_TRIES} fresh "
+        f"ring names taken ({last}); expected a directory where this user can "
+        "create files"
+    )

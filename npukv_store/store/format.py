@@ -35,6 +35,21 @@ DATA_ALIGN = 4096
 MAX_HEADER_BYTES = 16 << 20
 #: Most blocks in one chunk; keeps headers far below MAX_HEADER_BYTES.
 MAX_CHUNK_BLOCKS = 65536
+#: Most layers in one chunk (models have ~200 at most): with the next bound,
+#: what a header can make a reader allocate.
+MAX_CHUNK_LAYERS = 4096
+#: Most cells of a checksum table (blocks x layers): 128 MiB of U64, read whole
+#: by every header parse, so a header naming more is refused before any read.
+MAX_CHECKSUM_CELLS = 1 << 24
+#: Most dimensions of a tensor, and the bound of each (a dim is a count of
+#: elements of a file far below 2**40 bytes).
+MAX_TENSOR_DIMS = 8
+MAX_TENSOR_DIM = 1 << 40
+#: Digits of a chunk's created_ns (ns since 1970 fits in 19 digits until 2286,
+#: and is below 2**64 as the index stores it).
+MAX_CREATED_NS_DIGITS = 19
+#: Longest creator (``<pid>@<host>``; host names are at most 255 bytes).
+MAX_CREATOR_CHARS = 300
 
 
 #: Keys of a chunk's safetensors ``__metadata__`` (docs/format.md §3).
@@ -179,6 +194,21 @@ def encode_header(
     num_blocks = len(keys)
     if not 0 < num_blocks <= MAX_CHUNK_BLOCKS:
         raise ValueError(f"keys: found {num_blocks}, expected 1..{MAX_CHUNK_BLOCKS}")
+    # Never write what parse_header would refuse as corrupt.
+    num_layers = len(spec.layers)
+    if num_layers > MAX_CHUNK_LAYERS or num_blocks * num_layers > MAX_CHECKSUM_CELLS:
+        raise ValueError(
+            f"chunk: found {num_blocks} blocks x {num_layers} layers, expected at "
+            f"most {MAX_CHUNK_LAYERS} layers and {MAX_CHECKSUM_CELLS} cells"
+        )
+    if (
+        len(creator) > MAX_CREATOR_CHARS
+        or not 0 <= created_ns < 10**MAX_CREATED_NS_DIGITS
+    ):
+        raise ValueError(
+            f"creator/created_ns: found {len(creator)} chars/{created_ns}, expected "
+            f"at most {MAX_CREATOR_CHARS} chars and 0..{10**MAX_CREATED_NS_DIGITS - 1}"
+        )
     body: dict[str, object] = {
         "__metadata__": {
             META_FORMAT: str(FORMAT_VERSION),
@@ -263,6 +293,14 @@ __all__ = [
     "META_KEYS",
     "META_LAYERS",
     "META_NAMESPACE",
+    "MAX_CHECKSUM_CELLS",
+    "MAX_CHUNK_BLOCKS",
+    "MAX_CHUNK_LAYERS",
+    "MAX_CREATED_NS_DIGITS",
+    "MAX_CREATOR_CHARS",
+    "MAX_HEADER_BYTES",
+    "MAX_TENSOR_DIM",
+    "MAX_TENSOR_DIMS",
     "REQUIRED_META",
     "ChunkHeader",
     "ChunkLayout",

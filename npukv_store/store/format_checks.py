@@ -6,7 +6,9 @@ Runs in: any process; ``pread`` on a caller's fd.
 
 ``parse_header`` bounds the header length before reading it, checks every
 offset and size against the file, checks that the tensors tile the data
-section in layer order and that the required metadata is there. Each check
+section in layer order and that the required metadata is there, and bounds
+every number before it is used (counts, dims, offsets, created_ns; JSON
+numbers of more than 4300 digits, which int() refuses). Each check
 raises one :class:`~npukv_store.errors.FormatError` subclass naming the file,
 what was found and what was expected (docs/format.md §3). The format itself
 (layout, metadata keys, encoding) is :mod:`.format`, which this module reads
@@ -17,8 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Mapping
+from typing import TypeGuard
 
 import numpy as np
 
@@ -36,7 +40,16 @@ from npukv_store.spec import (
 )
 from npukv_store.store.format import (
     DATA_ALIGN,
+    MAX_CHECKSUM_CELLS,
+    MAX_CHUNK_BLOCKS,
+    MAX_CHUNK_LAYERS,
+    MAX_CREATED_NS_DIGITS,
+    MAX_CREATOR_CHARS,
     MAX_HEADER_BYTES,
+    MAX_TENSOR_DIM,
+    MAX_TENSOR_DIMS,
+    META_CREATED_NS,
+    META_CREATOR,
     META_FORMAT,
     META_KEYS,
     META_LAYERS,
@@ -49,6 +62,18 @@ from npukv_store.store.format import (
 
 #: First read of a header: one page-cache-friendly read covers most headers.
 _FIRST_READ_BYTES = 64 << 10
+#: Characters of a value from the file quoted in a message.
+_BRIEF_CHARS = 80
+
+
+def _brief(value: object) -> str:
+    """A short repr of a value from the file, for a message. Never raises:
+    a deeply nested list can make repr() itself hit the recursion limit."""
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError, MemoryError):
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= _BRIEF_CHARS else text[: _BRIEF_CHARS - 3] + "..."
 
 
 def check_metadata(meta: object, path: str, namespace: str | None) -> dict[str, str]:
@@ -58,7 +83,7 @@ def check_metadata(meta: object, path: str, namespace: str | None) -> dict[str, 
         )
     if meta[META_FORMAT] != str(FORMAT_VERSION):
         raise VersionMismatch(
-            f"{path}: format version {meta[META_FORMAT]!r}, expected "
+            f"{path}: format version {_brief(meta[META_FORMAT])}, expected "
             f"{str(FORMAT_VERSION)!r}"
         )
     missing = [key for key in REQUIRED_META if key not in meta]
@@ -69,9 +94,33 @@ def check_metadata(meta: object, path: str, namespace: str | None) -> dict[str, 
         )
     if namespace is not None and meta[META_NAMESPACE] != namespace:
         raise NamespaceMismatch(
-            f"{path}: namespace {meta[META_NAMESPACE]!r}, expected {namespace!r}"
+            f"{path}: namespace {_brief(meta[META_NAMESPACE])}, expected {namespace!r}"
+        )
+    # Read as int() and a pid by recovery and the CLI: bounded here, once.
+    created = meta.get(META_CREATED_NS, "")
+    if created and not (
+        len(created) <= MAX_CREATED_NS_DIGITS
+        and created.isascii()
+        and created.isdigit()
+    ):
+        raise CorruptChunk(
+            f"{path}: {META_CREATED_NS} {_brief(created)}, expected at most "
+            f"{MAX_CREATED_NS_DIGITS} decimal digits"
+        )
+    if len(meta[META_CREATOR]) > MAX_CREATOR_CHARS:
+        raise CorruptChunk(
+            f"{path}: {META_CREATOR} of {len(meta[META_CREATOR])} chars, expected "
+            f"<pid>@<host> of at most {MAX_CREATOR_CHARS}"
         )
     return meta
+
+
+def _shape_ok(shape: object) -> TypeGuard[list[int]]:
+    return (
+        isinstance(shape, list)
+        and 0 < len(shape) <= MAX_TENSOR_DIMS
+        and all(type(d) is int and 0 <= d < MAX_TENSOR_DIM for d in shape)
+    )
 
 
 def check_tensors(
@@ -87,14 +136,11 @@ def check_tensors(
             info.get("shape"),
             info.get("data_offsets"),
         )
-        if dtype not in DTYPE_SIZES:
-            raise CorruptChunk(f"{path}: tensor {name!r} has dtype {dtype!r}")
-        if not (
-            isinstance(shape, list)
-            and 0 < len(shape) <= 8
-            and all(type(d) is int and 0 <= d < 2**40 for d in shape)
-        ):
-            raise CorruptChunk(f"{path}: tensor {name!r} has shape {shape!r}")
+        # isinstance first: a list or dict dtype is unhashable in ``in``.
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            raise CorruptChunk(f"{path}: tensor {name!r} has dtype {_brief(dtype)}")
+        if not _shape_ok(shape):
+            raise CorruptChunk(f"{path}: tensor {name!r} has shape {_brief(shape)}")
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
@@ -102,17 +148,17 @@ def check_tensors(
             and 0 <= offsets[0] <= offsets[1] <= data_len
         ):
             raise CorruptChunk(
-                f"{path}: tensor {name!r} has data_offsets {offsets!r}, expected "
-                f"0 <= begin <= end <= {data_len}"
+                f"{path}: tensor {name!r} has data_offsets {_brief(offsets)}, "
+                f"expected 0 <= begin <= end <= {data_len}"
             )
-        numel = 1
+        span = offsets[1] - offsets[0]
+        nbytes = DTYPE_SIZES[dtype]
         for dim in shape:
-            numel *= dim
-        if numel * DTYPE_SIZES[dtype] != offsets[1] - offsets[0]:
+            nbytes = min(nbytes * dim, data_len + 1)  # bounded: never a huge int
+        if nbytes != span:
             raise CorruptChunk(
-                f"{path}: tensor {name!r}: {dtype} x {shape} is "
-                f"{numel * DTYPE_SIZES[dtype]} bytes, data_offsets span "
-                f"{offsets[1] - offsets[0]}"
+                f"{path}: tensor {name!r}: {dtype} x {shape} is not the "
+                f"{span} bytes its data_offsets span"
             )
         entries.append(
             TensorEntry(
@@ -145,17 +191,26 @@ def decode_meta_lists(
         layer_names = json.loads(meta[META_LAYERS])
     except (ValueError, RecursionError):
         raise CorruptChunk(f"{path}: garbled {META_KEYS} or {META_LAYERS}") from None
-    if len(blob) % 16 or not blob:
+    if len(blob) % 16 or not 0 < len(blob) <= 16 * MAX_CHUNK_BLOCKS:
         raise CorruptChunk(
-            f"{path}: {META_KEYS} holds {len(blob)} bytes, expected 16 per block"
+            f"{path}: {META_KEYS} holds {len(blob)} bytes, expected 16 per block "
+            f"for 1..{MAX_CHUNK_BLOCKS} blocks"
         )
     if not (
         isinstance(layer_names, list)
-        and layer_names
+        and 0 < len(layer_names) <= MAX_CHUNK_LAYERS
         and all(isinstance(n, str) for n in layer_names)
         and len(set(layer_names)) == len(layer_names)
     ):
-        raise CorruptChunk(f"{path}: {META_LAYERS} is not a list of distinct names")
+        raise CorruptChunk(
+            f"{path}: {META_LAYERS} is not a list of 1..{MAX_CHUNK_LAYERS} distinct "
+            "names"
+        )
+    if len(blob) // 16 * len(layer_names) > MAX_CHECKSUM_CELLS:
+        raise CorruptChunk(
+            f"{path}: {len(blob) // 16} blocks x {len(layer_names)} layers, expected "
+            f"at most {MAX_CHECKSUM_CELLS} checksums"
+        )
     keys = tuple(blob[i : i + 16] for i in range(0, len(blob), 16))
     return keys, tuple(layer_names)
 
@@ -254,10 +309,15 @@ def parse_header(
         NamespaceMismatch: another namespace than ``namespace``.
         CorruptChunk: any structural problem, short file or layout mismatch.
     """
-    file_size = os.fstat(fd).st_size
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        raise BadMagic(f"{path}: not a regular file, expected a chunk file")
+    file_size = info.st_size
     if file_size < 8:
         raise BadMagic(f"{path}: found {file_size} bytes, expected a chunk file")
     first = os.pread(fd, min(file_size, _FIRST_READ_BYTES), 0)
+    if len(first) < 8:  # cut short since the fstat
+        raise CorruptChunk(f"{path}: short read of {len(first)} bytes at offset 0")
     (header_len,) = struct.unpack_from("<Q", first)
     if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
         raise CorruptChunk(
@@ -269,9 +329,11 @@ def parse_header(
         raw += _pread_exact(fd, header_len - len(raw), 8 + len(raw), path)
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:
+        # ValueError: not UTF-8, not JSON, or a number of more than 4300
+        # digits (int()'s limit: the parse raises instead of building it).
         raise BadMagic(
-            f"{path}: header is not JSON ({exc}); expected a chunk"
+            f"{path}: header is not JSON ({_brief(str(exc))}); expected a chunk"
         ) from None
     if not isinstance(body, dict):
         raise BadMagic(f"{path}: header is {type(body).__name__}, expected an object")
