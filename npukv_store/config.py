@@ -305,6 +305,23 @@ class StoreConfig:
             unit="seconds",
         ),
     )
+    cache_group: str = field(
+        default="",
+        metadata=_doc(
+            "Share the cache with one group: its name or gid. Empty (the default) "
+            "keeps the cache private to its owner: directories 0700, files 0600. "
+            "With a group, directories are 2770 (setgid) and files 0660, owned "
+            "by that group. Never world bits (docs/security.md)."
+        ),
+    )
+    lock_timeout_s: float = field(
+        default=30.0,
+        metadata=_doc(
+            "Seconds an open waits for the cache directory's lock (recovery, "
+            "index rebuilds) before it fails with one error naming the holder.",
+            unit="seconds",
+        ),
+    )
 
     remote_store: str = field(
         default="none",
@@ -388,6 +405,24 @@ class StoreConfig:
             section="remote",
         ),
     )
+    remote_secret_file: str = field(
+        default="",
+        metadata=_doc(
+            "A file (0600, at least 32 bytes) holding the secret shared by the "
+            "nodes of one remote tier: it keys the block chains, the remote key "
+            "names and the MAC of every remote value (docs/security.md). "
+            "Required with remote_store unless remote_insecure is true.",
+            section="remote",
+        ),
+    )
+    remote_insecure: bool = field(
+        default=False,
+        metadata=_doc(
+            "Run the remote tier without a secret: any host that reaches "
+            "Mooncake can then read, forge and remove KV (docs/decisions/0058).",
+            section="remote",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.cache_dir, str | os.PathLike) or not str(self.cache_dir):
@@ -419,11 +454,16 @@ class StoreConfig:
                 f"io_queue_depth: found {queue_depth}, expected 1..4096 requests"
             )
         object.__setattr__(self, "io_queue_depth", queue_depth)
-        for key in ("evict_grace_s", "tmp_max_age_s"):
+        for key in ("evict_grace_s", "tmp_max_age_s", "lock_timeout_s"):
             seconds = _parse_number(getattr(self, key), key, float)
             if not math.isfinite(seconds) or seconds < 0:
                 raise ConfigError(f"{key}: found {seconds}, expected seconds >= 0")
             object.__setattr__(self, key, seconds)
+        if not isinstance(self.cache_group, str):
+            raise ConfigError(
+                f"cache_group: found {self.cache_group!r}, expected a group name or gid"
+            )
+        object.__setattr__(self, "cache_group", self.cache_group.strip())
         if not isinstance(self.namespace_extra, str):
             raise ConfigError(
                 f"namespace_extra: found {self.namespace_extra!r}, expected a string"
@@ -445,9 +485,13 @@ class StoreConfig:
                 f"mooncake_segment_size: found {self.mooncake_segment_size} bytes, "
                 "expected 0 or >= 16MiB"
             )
-        object.__setattr__(
-            self, "remote_promote", _parse_bool(self.remote_promote, "remote_promote")
-        )
+        for key in ("remote_promote", "remote_insecure"):
+            object.__setattr__(self, key, _parse_bool(getattr(self, key), key))
+        if not isinstance(self.remote_secret_file, str):
+            raise ConfigError(
+                f"remote_secret_file: found {self.remote_secret_file!r}, expected "
+                "a file path"
+            )
         timeout = _parse_number(self.remote_timeout_ms, "remote_timeout_ms", float)
         if not math.isfinite(timeout) or not 0 < timeout <= 60_000:
             raise ConfigError(

@@ -1,9 +1,17 @@
-"""Block keys: xxh3-128 chain hashes of token blocks, and namespace fingerprints.
+"""Block keys: keyed BLAKE2b-128 chains of token blocks, and namespace
+fingerprints.
 
 Runs in: any process; pure functions, thread-safe.
 
-    h[-1] = xxh3_128(namespace fingerprint)
-    h[i]  = xxh3_128(h[i-1] || tokens of block i as int32 LE || extra_i)
+    h[-1] = BLAKE2b-128(key=K, namespace fingerprint)
+    h[i]  = BLAKE2b-128(key=K, h[i-1] || tokens of block i as int32 LE || extra_i)
+
+K is the chain key of the process's key domain (npukv_store.keying): without
+it a key reveals nothing about its prompt, and nobody can test a guessed
+prompt against an index or search for colliding chains offline (the reason
+vLLM moved its own prefix hash off unkeyed hashes, GHSA-rm76-4mrf-v9r8).
+BLAKE2b is a keyed PRF in the standard library; a 128k-token prompt costs
+about 14 ms at 16-token blocks (docs/security.md has the numbers).
 
 Only full blocks are keyed. The result depends on nothing but the inputs: not on
 ``PYTHONHASHSEED``, the process or vLLM's own per-process block hashes, so every
@@ -12,6 +20,7 @@ process and every restart computes the same keys.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,6 +43,8 @@ def chain_hashes(
     namespace: bytes,
     extra: bytes | Sequence[bytes] = b"",
     parent: bytes | None = None,
+    *,
+    key: bytes,
 ) -> list[bytes]:
     """Keys of the full token blocks of ``tokens``.
 
@@ -45,14 +56,19 @@ def chain_hashes(
             hashes, cache salt): one bytes for every block, or one per block.
         parent: the key of the block before ``tokens[0]`` to continue a chain;
             ``None`` starts at the namespace root.
+        key: the chain key (:attr:`npukv_store.keying.KeyDomain.chain_key`),
+            16 to 64 bytes.
 
     Returns:
         One 16-byte key per full block, in order.
 
     Raises:
-        ValueError: block_size < 1, a token outside int32, or a per-block
-            ``extra`` list shorter than the number of blocks.
+        ValueError: block_size < 1, a token outside int32, a per-block
+            ``extra`` list shorter than the number of blocks, or a key of
+            another length.
     """
+    if not 16 <= len(key) <= 64:
+        raise ValueError(f"key: found {len(key)} bytes, expected 16 to 64")
     if block_size < 1:
         raise ValueError(f"block_size: found {block_size}, expected >= 1")
     ids = np.asarray(tokens, dtype=np.int64)
@@ -67,13 +83,20 @@ def chain_hashes(
         raise ValueError(
             f"extra: found {len(extra)} entries, expected one per block ({num_blocks})"
         )
-    prev = xxhash.xxh3_128_digest(namespace) if parent is None else parent
+    keyed = hashlib.blake2b(key=key, digest_size=KEY_BYTES)
+    if parent is None:
+        root = keyed.copy()
+        root.update(namespace)
+        prev = root.digest()
+    else:
+        prev = parent
     step = block_size * 4
     keys: list[bytes] = []
     for i in range(num_blocks):
-        block_extra = extra[i] if per_block else extra
-        prev = xxhash.xxh3_128_digest(
-            b"".join((prev, raw[i * step : (i + 1) * step], block_extra))  # type: ignore[arg-type]
-        )
+        block = keyed.copy()  # the keyed state, not the key schedule, per block
+        block.update(prev)
+        block.update(raw[i * step : (i + 1) * step])
+        block.update(extra[i] if per_block else extra)  # type: ignore[arg-type]
+        prev = block.digest()
         keys.append(prev)
     return keys

@@ -26,6 +26,11 @@ finds the file gone (a miss); chunk ids are never reused, so it never reads othe
 bytes. A kill at any step leaves what a killed writer leaves (a tmp/ file, an
 orphan, a tombstoned file), which the next run or any opening process removes.
 
+Every file it touches is inside the cache directory, reached from the root's
+descriptor without following a symlink (:mod:`npukv_store.store.dirfd`). Run
+as root, it refuses a directory root does not own: ``--as-owner`` (the
+command line) makes it that user first.
+
 Exit codes: 0 nothing was wrong; 1 problems were found (and fixed, unless
 ``--dry-run``); 2 unusable arguments or directory, or another run holds the lock.
 """
@@ -49,6 +54,8 @@ from npukv_store.store.check import chunk_file_problems
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import MARKER, CacheDir
 from npukv_store.store.index import Index
+from npukv_store.store.locks import open_lock_file
+from npukv_store.store.permissions import check_tool_root
 from npukv_store.store.policy import excess_bytes
 from npukv_store.store.publish import Publisher
 from npukv_store.store.stats import StoreCounters
@@ -113,13 +120,22 @@ class Summary:
 
 @contextlib.contextmanager
 def maintenance_lock(cdir: CacheDir) -> Iterator[None]:
-    """Hold the directory's maintenance lock, or raise :class:`MaintenanceBusy`."""
-    fd = os.open(cdir.maintenance_lock, os.O_RDWR | os.O_CREAT, 0o644)
+    """Hold the directory's maintenance lock, or raise :class:`MaintenanceBusy`
+    at once (a run never waits for another: the next timer tick retries).
+
+    Raises:
+        MaintenanceBusy: another run holds it.
+        UnsafeEntry: maintenance.lock is a symlink, a hard link or someone
+            else's: it is never opened through, nor truncated.
+    """
+    fd = open_lock_file(cdir, "maintenance.lock")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            # what another run wrote, printable only (it reaches a terminal)
+            holder = "".join(c for c in text if c.isprintable()) or "?"
             raise MaintenanceBusy(
                 f"{cdir.maintenance_lock}: held by pid {holder}, expected no other "
                 "maintenance run on this directory"
@@ -146,12 +162,7 @@ def run(options: Options, progress: Progress | None = None) -> Summary:
         MaintenanceBusy: another run holds the lock.
     """
     started = time.monotonic()
-    cdir = CacheDir(options.cache_dir)
-    if not os.path.isfile(os.path.join(cdir.root, MARKER)):
-        raise ConfigError(
-            f"cache_dir: {cdir.root} has no {MARKER} marker; expected an npukv cache"
-        )
-    cdir.read_marker()
+    cdir = open_cache(options.cache_dir)
     summary = Summary(dry_run=options.dry_run)
     tick = progress or (lambda step, items: None)
     with maintenance_lock(cdir):
@@ -159,7 +170,7 @@ def run(options: Options, progress: Progress | None = None) -> Summary:
             if options.rebuild_index and not options.dry_run:
                 recovery.rebuild_index(cdir, map_size=_MAP_SIZE, sync=True).close()
             index = recovery.open_index(cdir, map_size=_MAP_SIZE, sync=True)
-        claims = ClaimTable(cdir.claims_path)
+        claims = ClaimTable(cdir.claims_path, access=cdir.access)
         try:
             config = _config(cdir, options, index)
             publisher = Publisher(cdir, index, claims, config, StoreCounters())
@@ -186,6 +197,29 @@ def run(options: Options, progress: Progress | None = None) -> Summary:
     return summary
 
 
+def open_cache(path: str) -> CacheDir:
+    """The existing cache at ``path``, for a tool: root, entries and marker
+    checked, nothing created; the access the root was made with.
+
+    Raises:
+        ConfigError: no marker, an unsafe root or entry, or (run as root) a
+            root that root does not own (``--as-owner`` acts as its owner).
+        OSError: it is missing or unreadable.
+    """
+    cdir = CacheDir(path)
+    try:
+        cdir.open_root(create=False)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"cache_dir: {cdir.root} does not exist; expected an npukv cache "
+            f"(a directory with its {MARKER} marker)"
+        ) from None
+    assert cdir.root_stat is not None  # set by open_root
+    check_tool_root(cdir.root, cdir.root_stat)
+    cdir.open_existing()
+    return cdir
+
+
 def _config(cdir: CacheDir, options: Options, index: Index) -> StoreConfig:
     """The settings maintenance works to: the servers' capacity (recorded in the
     index by their commits) unless ``--capacity`` overrides it."""
@@ -197,7 +231,13 @@ def _config(cdir: CacheDir, options: Options, index: Index) -> StoreConfig:
             "--target: no capacity recorded in the index yet (no server has "
             "committed a chunk); expected --capacity SIZE"
         )
-    config = StoreConfig(cache_dir=cdir.root, verify="always")
+    gid = cdir.access.gid
+    config = StoreConfig(
+        cache_dir=cdir.root,
+        verify="always",
+        cache_group="" if gid is None else str(gid),  # the root's own
+        lock_timeout_s=cdir.lock_timeout_s,
+    )
     if capacity is not None:
         config = dataclasses.replace(config, capacity=capacity)
     if options.grace_s is not None:
@@ -227,7 +267,7 @@ def collect_garbage(
     missing = [
         r.chunk_id
         for r in index.iter_chunks()
-        if not os.path.exists(cdir.chunk_path(r.namespace.hex(), r.chunk_id))
+        if cdir.lstat(cdir.chunk_path(r.namespace.hex(), r.chunk_id)) is None
         and index.chunk(r.chunk_id) is not None
     ]
     summary.missing_dropped = len(missing)
@@ -235,7 +275,9 @@ def collect_garbage(
     summary.rings_removed = len(rings)
     if options.dry_run:
         return
-    for path in tmp + scan.removable + rings:
+    for path in tmp + scan.removable:
+        cdir.unlink_quietly(path)  # relative to the root fd: links themselves
+    for path in rings:  # /dev/shm, not the cache: stale_rings checked them
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     if missing:  # quarantined by a reader killed before its commit, or deleted
@@ -286,4 +328,4 @@ def _evict(
     summary.evicted = len(publisher.evict(excess))
 
 
-__all__ = ["MaintenanceBusy", "Options", "Summary", "run"]
+__all__ = ["MaintenanceBusy", "Options", "Summary", "open_cache", "run"]

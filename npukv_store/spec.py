@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 
 #: On-disk format version: the directory marker, chunk metadata and fingerprint
 #: all carry it. Bump it on any incompatible change; readers refuse other versions.
-FORMAT_VERSION = 1
+#: 2: block keys are keyed with the directory's secret (docs/format.md).
+FORMAT_VERSION = 2
 
 #: safetensors dtype codes and their sizes in bytes (the subset KV caches use).
 DTYPE_SIZES: dict[str, int] = {

@@ -2,7 +2,10 @@
 """The maintenance job of an npukv cache directory, safe while servers run.
 
     scripts/compact.py CACHE_DIR [--dry-run] [--target FRACTION]
-                       [--min-live FRACTION] [--verify] [--json]
+                       [--min-live FRACTION] [--verify] [--json] [--as-owner]
+
+Run as root, it refuses a directory root does not own; ``--as-owner`` makes
+it the directory's owner (uid and gid) before it touches anything.
 
 A thin shim over :mod:`npukv_store.maintenance` (``npukv compact`` is the same);
 ``--help`` lists every option and the exit codes (0 clean, 1 problems found and

@@ -15,6 +15,9 @@ the directory lock that opening processes take. Reference: docs/cli.md.
     bench [NAME ...]     python -m bench NAME ... of a source checkout
 
 Human text by default; ``--json`` (stats, inspect) prints one JSON object.
+Run as root, every command that opens a cache refuses one root does not own;
+``--as-owner`` makes the command that user (uid and gid) before it touches
+anything. No command follows a symlink inside the cache.
 
 Exit codes (every command; bench passes its benchmark's through):
     0  ok
@@ -45,6 +48,7 @@ from npukv_store.store.check import check_store
 from npukv_store.store.directory import MARKER, CacheDir
 from npukv_store.store.format_checks import parse_header
 from npukv_store.store.index import Index
+from npukv_store.store.permissions import act_as_owner
 from npukv_store.store.read.plan import ReadTuning, whole_chunk_plan
 from npukv_store.store.read.routes import ChunkFiles
 
@@ -63,16 +67,17 @@ class UsageError(NpuKVError):
 
 
 def cache_dir(path: str) -> CacheDir:
-    """``path`` as a cache directory, or a UsageError saying why it is not one."""
-    cdir = CacheDir(path)
-    if not os.path.exists(cdir.root):
-        raise UsageError(f"{cdir.root}: no such directory")
-    if not os.path.isdir(cdir.root):
-        raise UsageError(f"{cdir.root}: is a file, expected a cache directory")
-    if not os.path.exists(os.path.join(cdir.root, MARKER)):
-        raise UsageError(f"{cdir.root}: no {MARKER} marker; expected an npukv cache")
-    cdir.read_marker()
-    return cdir
+    """``path`` as a cache directory, or a UsageError saying why it is not one
+    (a ConfigError for an unsafe one: a symlink, another user's, see
+    :func:`npukv_store.maintenance.open_cache`)."""
+    root = os.path.abspath(path)
+    if not os.path.lexists(root):
+        raise UsageError(f"{root}: no such directory")
+    if os.path.isfile(root) and not os.path.islink(root):
+        raise UsageError(f"{root}: is a file, expected a cache directory")
+    if os.path.isdir(root) and not os.path.lexists(os.path.join(root, MARKER)):
+        raise UsageError(f"{root}: no {MARKER} marker; expected an npukv cache")
+    return maintenance.open_cache(root)
 
 
 def open_dir(path: str) -> tuple[CacheDir, Index, StoreConfig]:
@@ -219,6 +224,8 @@ def cmd_rebuild_index(args: argparse.Namespace) -> int:
 
 
 def run_maintenance(command: str, argv: list[str]) -> int:
+    if "--as-owner" in argv:  # before the check below, which root would fail
+        act_as_owner(argv[0])
     cache_dir(argv[0])
     return compact.main(argv, prog=f"npukv {command}")
 
@@ -269,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
         )  # fmt: skip
         if directory:
             cmd.add_argument("cache_dir", metavar="DIR", help="the cache directory")
+            compact.add_as_owner(cmd)
         cmd.set_defaults(func=func)
         return cmd
 
@@ -328,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``npukv``; unusable input is one line on stderr, exit 2."""
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "as_owner", False):  # before anything is touched
+            act_as_owner(args.cache_dir)
         return int(args.func(args))
     except BrokenPipeError:  # the reader (head, a pager) left early: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

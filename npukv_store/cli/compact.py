@@ -7,6 +7,10 @@ Runs in: the job's own process (cron, a systemd timer, an operator's shell).
                      summary (text, or one JSON object); the exit code
     build_parser() - the options
 
+``--as-owner`` (run as root): become the directory's owner (its uid and gid)
+before anything in it is touched; without it, root refuses a directory it does
+not own.
+
 Exit codes: 0 nothing was wrong; 1 problems were found (and fixed, unless
 ``--dry-run``); 2 unusable arguments or directory, or another run holds the lock.
 """
@@ -24,6 +28,7 @@ from dataclasses import asdict
 from npukv_store.config import parse_size
 from npukv_store.errors import ConfigError, NpuKVError
 from npukv_store.maintenance import Options, Summary, run
+from npukv_store.store.permissions import act_as_owner
 
 logger = logging.getLogger("npukv.maintenance")
 
@@ -75,7 +80,17 @@ def build_parser(prog: str = "compact.py") -> argparse.ArgumentParser:
     parser.add_argument(
         "--ring-dir", default="/dev/shm", help="where staging rings live (/dev/shm)"
     )
+    add_as_owner(parser)
     return parser
+
+
+def add_as_owner(parser: argparse.ArgumentParser) -> None:
+    """The ``--as-owner`` flag (shared with ``npukv``)."""
+    parser.add_argument(
+        "--as-owner", action="store_true",
+        help="run as root: act as the directory's owner (its uid and gid) "
+        "before touching it; without it, root refuses a directory it does not own",
+    )  # fmt: skip
 
 
 def _fraction(text: str) -> float:
@@ -110,6 +125,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "compact.py") -> int:
         ring_dir=args.ring_dir, grace_s=args.grace, chunk_size=args.chunk_size,
     )  # fmt: skip
     try:
+        if args.as_owner:
+            act_as_owner(options.cache_dir)
         with _progress(enabled=not args.json) as progress:
             summary = run(options, progress)
     except (NpuKVError, OSError) as exc:

@@ -138,7 +138,7 @@ def claims_held(cdir: CacheDir, index: Index) -> int | None:
         return None  # opening the table would create it: stats only reads
     from npukv_store.store.claims import ClaimTable
 
-    table = ClaimTable(path)
+    table = ClaimTable(path, access=cdir.access)
     try:
         return table.held()
     finally:

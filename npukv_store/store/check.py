@@ -28,6 +28,7 @@ from npukv_store.config import StoreConfig
 from npukv_store.errors import FormatError
 from npukv_store.store import recovery
 from npukv_store.store.directory import CacheDir
+from npukv_store.store.dirfd import UnsafeEntry
 from npukv_store.store.format import ChunkHeader, layer_checksums
 from npukv_store.store.format_checks import parse_header
 from npukv_store.store.index import ChunkRecord, Index
@@ -79,9 +80,11 @@ def chunk_file_problems(
     """Invariant 3 (and 6 with ``verify_data``) for one chunk: its problems."""
     path = cdir.chunk_path(record.namespace.hex(), record.chunk_id)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = cdir.open_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return [f"chunk {path}: indexed but missing"]
+    except UnsafeEntry as exc:  # a symlink in its place: as bad as corrupt
+        return [f"chunk {path}: {exc}"]
     try:
         header = parse_header(fd, path, namespace=record.namespace.hex())
         if header.file_size != record.size_bytes or header.keys != record.keys:

@@ -117,9 +117,9 @@ def _open_namespace(
     """A store handle on ``namespace`` for reading its rows; None (skipped, with
     a warning) when its namespace.json is missing or not a spec."""
     path = os.path.join(cdir.ns_dir(namespace.hex()), "namespace.json")
-    try:
-        with open(path, encoding="utf-8") as handle:
-            spec = NamespaceSpec.from_json(handle.read())
+    try:  # never through a symlink (an UnsafeEntry is an OSError too)
+        raw = cdir.read_bytes(path, limit=1 << 20)
+        spec = NamespaceSpec.from_json(raw.decode("utf-8"))
     except (OSError, ValueError) as exc:
         logger.warning("not compacting namespace %s: %s", namespace.hex(), exc)
         return None

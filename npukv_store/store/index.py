@@ -28,9 +28,7 @@ Why LMDB and not SQLite: docs/decisions/0001 (measured 256-key lookups and commi
 
 from __future__ import annotations
 
-import os
 import struct
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -39,6 +37,8 @@ import lmdb
 
 from npukv_store.errors import FormatError
 from npukv_store.store import policy
+from npukv_store.store.envs import open_env, release_env
+from npukv_store.store.permissions import Access
 
 SCHEMA = b"npukv-index-1"
 _LOC_FMT = struct.Struct("<QI")  # keys db value: chunk id, row
@@ -46,9 +46,6 @@ _REC_FMT = struct.Struct("<16sQIIQQ")  # ns, size, rows, live rows, last ns, cre
 _LRU_FMT = struct.Struct(">QQ")  # big-endian so byte order is time order
 _U64 = struct.Struct("<Q")
 _CID = struct.Struct(">Q")
-
-_ENVS_LOCK = threading.Lock()
-_ENVS: dict[str, tuple[int, lmdb.Environment, int]] = {}  # path -> (pid, env, refs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,55 +104,27 @@ class CommitResult:
     victims: tuple[ChunkRecord, ...]
 
 
-def open_env(path: str, map_size: int, sync: bool) -> lmdb.Environment:
-    """The process's environment for ``path``; reopened after a fork."""
-    with _ENVS_LOCK:
-        entry = _ENVS.get(path)
-        if entry is not None and entry[0] == os.getpid():
-            _ENVS[path] = (entry[0], entry[1], entry[2] + 1)
-            return entry[1]
-        env = lmdb.open(
-            path,
-            subdir=True,
-            map_size=map_size,
-            max_dbs=8,
-            max_readers=1024,
-            sync=sync,
-            metasync=sync,
-            readahead=False,
-            meminit=False,
-        )
-        env.reader_check()  # free slots of readers killed without closing
-        _ENVS[path] = (os.getpid(), env, 1)
-        return env
-
-
-def release_env(path: str) -> None:
-    with _ENVS_LOCK:
-        entry = _ENVS.get(path)
-        if entry is None or entry[0] != os.getpid():
-            return
-        if entry[2] > 1:
-            _ENVS[path] = (entry[0], entry[1], entry[2] - 1)
-            return
-        del _ENVS[path]
-        entry[1].close()
-
-
 class Index:
     """A handle on the shared LMDB index of one cache directory."""
 
-    def __init__(self, path: str, *, map_size: int, sync: bool) -> None:
+    def __init__(
+        self, path: str, *, map_size: int, sync: bool, access: Access | None = None
+    ) -> None:
         """Open (creating if needed) the index at ``path``.
+
+        Args:
+            access: who may use the cache (default: private): the modes of
+                what is created, and the owner what is there must have.
 
         Raises:
             FormatError: the environment exists but is unreadable or of another
                 schema; recovery then rebuilds it from the chunks.
+            UnsafeEntry: ``path`` or its files are symlinks or someone else's.
         """
         self.path = path
         self._released = True
         try:
-            self._env = open_env(path, map_size, sync)
+            self._env = open_env(path, map_size, sync, access)
             self._released = False
         except lmdb.Error as exc:
             raise FormatError(f"{path}: index unreadable ({exc})") from exc

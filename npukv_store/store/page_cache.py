@@ -82,7 +82,7 @@ class PageCache:
             return None
         path = self.dir.chunk_path(record.namespace.hex(), chunk_id)
         try:
-            return os.open(path, os.O_RDONLY)
+            return self.dir.open_file(path, os.O_RDONLY)  # never via a symlink
         except OSError:
             return None
 

@@ -25,7 +25,8 @@ import time
 from dataclasses import dataclass
 
 from npukv_store.errors import FormatError
-from npukv_store.store.directory import CacheDir, creator_alive, file_age_s
+from npukv_store.store.directory import CacheDir, creator_alive
+from npukv_store.store.dirfd import UnsafeEntry
 from npukv_store.store.format import META_CREATED_NS, META_CREATOR
 from npukv_store.store.format_checks import parse_header
 from npukv_store.store.index import ChunkRecord, Index
@@ -45,11 +46,16 @@ def open_index(cdir: CacheDir, *, map_size: int, sync: bool) -> Index:
     """Open the directory's index; rebuild it when missing or unreadable.
 
     Call with ``cdir.locked()`` held so only one process rebuilds.
+
+    Raises:
+        UnsafeEntry: ``index/`` or its files are symlinks or someone else's.
     """
-    missing = not os.path.exists(os.path.join(cdir.index_path, "data.mdb"))
+    missing = cdir.lstat(os.path.join("index", "data.mdb")) is None
     if not missing:
         try:
-            return Index(cdir.index_path, map_size=map_size, sync=sync)
+            return Index(
+                cdir.index_path, map_size=map_size, sync=sync, access=cdir.access
+            )
         except FormatError as exc:
             logger.warning("index unreadable (%s); rebuilding it", exc)
     elif cdir.namespaces():
@@ -64,16 +70,22 @@ def rebuild_index(cdir: CacheDir, *, map_size: int, sync: bool) -> Index:
     home for a key as the original commits did. Unparsable chunk files are
     deleted; they can only come from a torn disk (a rename publishes whole files).
     Capacity is not enforced here; the next put evicts down to it.
+
+    Raises:
+        UnsafeEntry: ``index`` is a symlink or someone else's (never renamed
+            or removed: an operator must look at it).
     """
-    broken = f"{cdir.index_path}.broken-{os.getpid()}"
-    if os.path.exists(cdir.index_path):
-        os.rename(cdir.index_path, broken)
-        shutil.rmtree(broken, ignore_errors=True)
-    index = Index(cdir.index_path, map_size=map_size, sync=sync)
+    broken = f"index.broken-{os.getpid()}"
+    cdir.check_entries(("index",), ())
+    with contextlib.suppress(FileNotFoundError):
+        cdir.rename("index", broken)
+        # rmtree never follows a symlink inside; the name is ours alone (pid)
+        shutil.rmtree(cdir.full(broken), ignore_errors=True)
+    index = Index(cdir.index_path, map_size=map_size, sync=sync, access=cdir.access)
     records = []
     for namespace in cdir.namespaces():
         for chunk_id, path in cdir.chunk_files(namespace).items():
-            record = _record_from_file(namespace, chunk_id, path)
+            record = _record_from_file(cdir, namespace, chunk_id, path)
             if record is not None:
                 records.append(record)
     records.sort(key=lambda r: r.created_ns)
@@ -83,17 +95,22 @@ def rebuild_index(cdir: CacheDir, *, map_size: int, sync: bool) -> Index:
     return index
 
 
-def _record_from_file(namespace: str, chunk_id: int, path: str) -> ChunkRecord | None:
+def _record_from_file(
+    cdir: CacheDir, namespace: str, chunk_id: int, path: str
+) -> ChunkRecord | None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = cdir.open_file(path, os.O_RDONLY)
     except FileNotFoundError:
+        return None
+    except UnsafeEntry as exc:  # a symlink: removed itself, never followed
+        logger.warning("deleting %s: %s", path, exc)
+        cdir.unlink_quietly(path)
         return None
     try:
         header = parse_header(fd, path, namespace=namespace)
     except FormatError as exc:
         logger.warning("deleting unreadable chunk %s: %s", path, exc)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        cdir.unlink_quietly(path)
         return None
     finally:
         os.close(fd)
@@ -128,8 +145,8 @@ def scan_orphans(cdir: CacheDir, index: Index, max_age_s: float) -> OrphanScan:
                 continue
             if (
                 chunk_id in dead
-                or file_age_s(path) > max_age_s
-                or not _creator_alive(path)
+                or cdir.file_age_s(path) > max_age_s
+                or not _creator_alive(cdir, path)
             ):
                 removable.append(path)
             else:
@@ -145,8 +162,7 @@ def remove_garbage(cdir: CacheDir, index: Index, max_age_s: float) -> int:
     """Delete tmp/ garbage and removable orphans; returns the number removed."""
     paths = cdir.garbage_tmp(max_age_s) + scan_orphans(cdir, index, max_age_s).removable
     for path in paths:
-        with contextlib.suppress(FileNotFoundError):  # another recoverer was first
-            os.unlink(path)
+        cdir.unlink_quietly(path)  # gone: another recoverer was first
     forget_gone_tombstones(cdir, index)
     if paths:
         logger.info("removed %d crash leftovers from %s", len(paths), cdir.root)
@@ -158,7 +174,7 @@ def forget_gone_tombstones(cdir: CacheDir, index: Index) -> int:
     gone = [
         chunk_id
         for chunk_id, ns in index.dead_chunks().items()
-        if not os.path.exists(cdir.chunk_path(ns.hex(), chunk_id))
+        if cdir.lstat(cdir.chunk_path(ns.hex(), chunk_id)) is None
     ]
     if gone:
         index.forget_dead(gone)
@@ -170,11 +186,13 @@ def chunk_id_of(path: str) -> int:
     return int(os.path.basename(path).split(".")[0], 16)
 
 
-def _creator_alive(path: str) -> bool:
+def _creator_alive(cdir: CacheDir, path: str) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = cdir.open_file(path, os.O_RDONLY)
     except FileNotFoundError:
         return True  # gone already: nothing to delete
+    except UnsafeEntry:
+        return False  # a symlink with a chunk's name: nobody publishes that
     try:
         header = parse_header(fd, path)
     except FormatError:

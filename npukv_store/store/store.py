@@ -33,6 +33,7 @@ import numpy as np
 from npukv_store.config import StoreConfig
 from npukv_store.hashing import chain_hashes, namespace_fingerprint
 from npukv_store.io.writer import Event
+from npukv_store.keying import KeyDomain
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import recovery
 from npukv_store.store.arrays import input_rows, merge_reads
@@ -81,7 +82,10 @@ class KVStore:
         self.spec = spec
         self.fingerprint = namespace_fingerprint(spec)
         self.namespace = self.fingerprint.hex()
-        self.dir = CacheDir(config.cache_dir)
+        self.dir = CacheDir.for_config(config)
+        self.key_domain: KeyDomain | None = (
+            None if _parent is None else _parent.key_domain
+        )
         self._parent = _parent
         self.counters: StoreCounters = (
             StoreCounters() if _parent is None else _parent.counters
@@ -104,13 +108,20 @@ class KVStore:
     def _open(self) -> None:
         self._pid = os.getpid()
         self.dir.open()
+        if self.key_domain is None:
+            self.key_domain = KeyDomain.for_config(
+                self.dir.read_secret(),
+                remote_store=self.config.remote_store,
+                remote_secret_file=self.config.remote_secret_file,
+                remote_insecure=self.config.remote_insecure,
+            )
         with self.dir.locked():
             self.index = recovery.open_index(
                 self.dir, map_size=self.config.index_map_size, sync=self._sync
             )
             recovery.remove_garbage(self.dir, self.index, self.config.tmp_max_age_s)
             self.dir.ensure_namespace(self.namespace, self.spec.canonical_json())
-            self.claims = ClaimTable(self.dir.claims_path)
+            self.claims = ClaimTable(self.dir.claims_path, access=self.dir.access)
         self.publisher = Publisher(
             self.dir, self.index, self.claims, self.config, self.counters
         )
@@ -141,7 +152,11 @@ class KVStore:
         self, tokens: Sequence[int] | np.ndarray, extra: bytes = b""
     ) -> list[bytes]:
         """Block keys of ``tokens`` in this namespace (full blocks only)."""
-        return chain_hashes(tokens, self.spec.block_size, self.fingerprint, extra)
+        assert self.key_domain is not None  # set by _open
+        return chain_hashes(
+            tokens, self.spec.block_size, self.fingerprint, extra,
+            key=self.key_domain.chain_key,
+        )  # fmt: skip
 
     # -- put ------------------------------------------------------------------
 
@@ -508,6 +523,7 @@ class KVStore:
             self._reader.close()
             self.claims.close()
             self.index.close()
+            self.dir.close()  # the root's descriptor (reopened if used again)
 
     def __enter__(self) -> KVStore:
         return self

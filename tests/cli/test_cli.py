@@ -78,7 +78,11 @@ def overlapping(tmp_path):
     dead, a won them (first commit wins, rebuilds go oldest first)."""
     root = str(tmp_path / "c")
     keys, chunk_a = fill(root, range(64))
-    _, chunk_b = fill_in_child(str(tmp_path / "other"), 0, 128)
+    # the other server shares our keys: its directory starts with our secret
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    shutil.copy2(os.path.join(root, "secret"), other / "secret")
+    _, chunk_b = fill_in_child(str(other), 0, 128)
     chunk_b = shutil.copy(chunk_b, os.path.dirname(chunk_a))
     return root, keys, chunk_a, chunk_b
 

@@ -245,6 +245,8 @@ GARBLED = {
     "index_map_size": ("1KiB", "index_map_size: found 1024 bytes"),
     "evict_grace_s": ("-1", "evict_grace_s: found -1.0"),
     "tmp_max_age_s": ("inf", "tmp_max_age_s: found inf"),
+    "cache_group": (5, "cache_group: found 5"),
+    "lock_timeout_s": ("-1", "lock_timeout_s: found -1.0"),
     "remote_store": ("redis", "remote_store: found 'redis'"),
     "mooncake_master": ("master", "mooncake_master: found 'master'"),
     "mooncake_metadata": ("etcd", "mooncake_metadata: found 'etcd'"),
@@ -254,6 +256,8 @@ GARBLED = {
     "mooncake_local_buffer": ("1KiB", "mooncake_local_buffer: found 1024 bytes"),
     "remote_timeout_ms": ("0", "remote_timeout_ms: found 0.0"),
     "remote_promote": ("often", "remote_promote: found 'often'"),
+    "remote_secret_file": (7, "remote_secret_file: found 7"),
+    "remote_insecure": ("sure", "remote_insecure: found 'sure'"),
 }
 
 
@@ -279,6 +283,8 @@ def test_garbled_config_is_one_clear_error(fault, tmp_path):
         if trial < len(keys) or key in (
             "namespace_extra",
             "mooncake_device",
+            "cache_group",
+            "remote_secret_file",
         ):  # (env: always a str)
             extra[key] = value
         else:  # the same value from the environment

@@ -92,7 +92,11 @@ def wrapped(*args, **kwargs):
     return result
 if attr in ("rename", "unlink"):
     def wrapped_os(*args, **kwargs):  # count only the calls on our files
-        if MATCH not in str(args[0]):
+        where = kwargs.get("src_dir_fd", kwargs.get("dir_fd"))  # *at() calls
+        path = str(args[0])
+        if where is not None:
+            path = os.path.join(os.readlink(f"/proc/self/fd/{where}"), path)
+        if MATCH not in path:
             return real(*args, **kwargs)
         return wrapped(*args, **kwargs)
     setattr(owner, attr, wrapped_os)

@@ -136,6 +136,10 @@ def _syscall_fault_trials(fault, tmp_path, monkeypatch, name: str) -> None:
         return real(fd)
 
     def rename(src, dst, *args, **kwargs):
+        # the store renames relative to a directory fd: where src really is
+        where = kwargs.get("src_dir_fd")
+        if where is not None:
+            src = os.path.join(os.readlink(f"/proc/self/fd/{where}"), src)
         if budget[0] > 0 and _is_tmp_chunk(str(src)):
             budget[0] -= 1
             injected[0] += 1

@@ -45,7 +45,7 @@ def test_foreign_format_version(filled):
     body["format_version"] = 99
     with open(marker, "w") as handle:
         json.dump(body, handle)
-    with pytest.raises(VersionMismatch, match="format version 99, expected 1"):
+    with pytest.raises(VersionMismatch, match="format version 99, expected 2"):
         KVStore(config, tiny_spec())
     with open(marker, "w") as handle:
         handle.write("not json")

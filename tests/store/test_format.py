@@ -28,7 +28,7 @@ from tests.support.blocks import block_tensors, empty_blocks, tiny_spec
 
 SPEC = tiny_spec()
 NS = "ab" * 16
-KEYS = chain_hashes(range(16 * 4), 16, b"fmt")
+KEYS = chain_hashes(range(16 * 4), 16, b"fmt", key=b"k" * 32)
 
 
 def chunk_bytes(spec=SPEC, keys=KEYS, namespace=NS) -> bytes:
@@ -108,7 +108,7 @@ def _set_tensor(name, field, value):
     ("edit", "error", "match"),
     [
         (_drop_meta("npukv_format"), BadMagic, "not an npukv chunk"),
-        (_set_meta("npukv_format", "2"), VersionMismatch, "expected '1'"),
+        (_set_meta("npukv_format", "3"), VersionMismatch, "expected '2'"),
         (_drop_meta("npukv_keys"), CorruptChunk, "lacks"),
         (_set_meta("npukv_keys", "zz"), CorruptChunk, "garbled"),
         (_set_meta("npukv_layers", "[1]"), CorruptChunk, "distinct names"),

@@ -17,7 +17,8 @@ from npukv_store.hashing import chain_hashes
 from tests.support.blocks import block_tensors, empty_blocks, tiny_spec
 
 SPEC = tiny_spec(num_layers=2)
-UNIVERSE = chain_hashes(range(16 * 24), 16, b"universe")  # 24 chained keys
+# 24 chained keys
+UNIVERSE = chain_hashes(range(16 * 24), 16, b"universe", key=b"k" * 32)
 CHUNK_BYTES = 4096 + 2 * SPEC.block_bytes + 2 * 2 * 8  # a put of two blocks
 
 

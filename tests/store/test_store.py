@@ -166,7 +166,7 @@ def test_crash_leftovers_removed_on_open(tmp_path, spec):
     garbage.write_bytes(b"half a chunk")
     live = tmp_path / "c" / "tmp" / f"{os.getpid()}-00fe.tmp"
     live.write_bytes(b"in flight")
-    keys = chain_hashes(range(64), 16, b"orphan")
+    keys = chain_hashes(range(64), 16, b"orphan", key=b"k" * 32)
     rows = {n: a.data.cast("B") for n, a in block_tensors(spec, keys).items()}
     buffers = build_chunk(
         spec, store.namespace, keys, rows, creator=f"{dead_pid}@{HOST}", created_ns=1

@@ -46,11 +46,18 @@ class RequestState:
 
 class KeyChains:
     """The key chains of an engine's namespaces: ``fingerprints[rank][group]``
-    seeds each chain of ``block_size``-token blocks."""
+    seeds each chain of ``block_size``-token blocks, keyed with ``chain_key``
+    (the store's key domain, npukv_store.keying; set once the store is open)."""
 
-    def __init__(self, block_size: int, fingerprints: list[list[bytes]]) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        fingerprints: list[list[bytes]],
+        chain_key: bytes | None = None,
+    ) -> None:
         self.block_size = block_size
         self.fingerprints = fingerprints
+        self.chain_key = chain_key
 
     def new_state(self, request: Any) -> RequestState:
         """A request's state, with an empty chain per namespace."""
@@ -64,12 +71,16 @@ class KeyChains:
             request = state.request
             tokens = list(request.all_token_ids[have * bs : num_blocks * bs])
             extra = self._extras(state, have, num_blocks)
+            chain_key = self.chain_key
+            assert chain_key is not None, "KeyChains used before the store opened"
             for rank_keys, rank_prints in zip(
                 state.keys, self.fingerprints, strict=True
             ):
                 for chain, fingerprint in zip(rank_keys, rank_prints, strict=True):
                     parent = chain[-1] if chain else None
-                    chain += chain_hashes(tokens, bs, fingerprint, extra, parent=parent)
+                    chain += chain_hashes(
+                        tokens, bs, fingerprint, extra, parent=parent, key=chain_key
+                    )
         return [[chain[:num_blocks] for chain in rank] for rank in state.keys]
 
     def _extras(self, state: RequestState, start: int, stop: int) -> list[bytes]:
@@ -88,15 +99,46 @@ class KeyChains:
         # The adapter by name and path on every vLLM (< 0.32 hashes the name
         # only): the store outlives an adapter re-pointed under its name.
         lora = lora_identity(request.lora_request) if request.lora_request else ""
+        salt = request.cache_salt or ""
         bs = self.block_size
         while len(state.extras) < stop:
             index = len(state.extras)
             extra, state.next_mm_index = generate_block_hash_extra_keys(
                 request, index * bs, (index + 1) * bs, state.next_mm_index
             )
-            key = "" if extra is None else repr(extra)
-            state.extras.append(f"{lora}{key}".encode())
+            fields = [(b"lora", lora.encode())]
+            if index == 0:  # as in vLLM, the salt enters block 0; the chain carries it
+                fields.append((b"salt", salt.encode()))
+            fields.append((b"vllm", encode_extra_keys(extra or ())))
+            state.extras.append(tagged(fields))
         return state.extras[start:stop]
+
+
+def tagged(fields: list[tuple[bytes, bytes]]) -> bytes:
+    """Fields as ``tag len(u32 LE) value`` each: no two different lists of
+    fields encode alike (a LoRA named "X" and a cache salt "X" differ)."""
+    return b"".join(
+        tag + len(value).to_bytes(4, "little") + value for tag, value in fields
+    )
+
+
+def encode_extra_keys(extra: tuple[Any, ...]) -> bytes:
+    """vLLM's per-block extra keys (strings, ints, bytes, nested tuples),
+    each tagged with its type and length: never a ``repr`` that could
+    truncate or confuse types."""
+    fields: list[tuple[bytes, bytes]] = []
+    for item in extra:
+        if isinstance(item, bytes | bytearray):
+            fields.append((b"b", bytes(item)))
+        elif isinstance(item, str):
+            fields.append((b"s", item.encode()))
+        elif isinstance(item, bool | int):
+            fields.append((b"i", str(int(item)).encode()))
+        elif isinstance(item, tuple | list):
+            fields.append((b"t", encode_extra_keys(tuple(item))))
+        else:  # a hash object vLLM may add later: its stable repr, tagged apart
+            fields.append((b"r", repr(item).encode()))
+    return tagged(fields)
 
 
 def transfer(

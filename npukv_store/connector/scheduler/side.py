@@ -107,6 +107,8 @@ class SchedulerSide:
         except Exception as exc:  # an unusable cache directory: serve without us
             self.disable(unusable_cache_dir(settings.cache_dir, exc), logging.ERROR)
             return
+        assert self.store.key_domain is not None
+        self.chains.chain_key = self.store.key_domain.chain_key
         self.hint_readahead = _workers_load_layerwise(vllm_config, settings)
         self.loads_on = self._loads_allowed(vllm_config)
         if not self.engine.full_attention_only:

@@ -68,7 +68,7 @@ class ChunkHeaders:
         """Any problem is left for the read to find again, count and report."""
         path = self._dir.chunk_path(self._namespace, chunk_id)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = self._dir.open_file(path, os.O_RDONLY)  # never via a symlink
         except OSError:
             return
         try:

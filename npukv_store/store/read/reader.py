@@ -183,7 +183,7 @@ class ChunkReader:
         """
         path = self._dir.chunk_path(self._namespace, chunk_id)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = self._dir.open_file(path, os.O_RDONLY)  # never via a symlink
         except FileNotFoundError:
             # Evicted since the lookup (then the index no longer has it), or
             # deleted under the index: the store checks which (take_missing).
@@ -292,7 +292,7 @@ class ChunkReader:
         with self._lock:
             direct = self._direct and chunk_id not in self._read_before
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = self._dir.open_file(path, os.O_RDONLY)  # never via a symlink
         except OSError:
             return None
         files = ChunkFiles(path, fd, direct)

@@ -66,7 +66,9 @@ class ChunkFiles:
         """Open the O_DIRECT fd; False where the filesystem refuses O_DIRECT
         (then every read of this chunk is buffered)."""
         if self.direct_fd is None:
-            fd, direct = open_direct(self.path, os.O_RDONLY)
+            # the same inode as the buffered fd, never the path looked up
+            # again (it may be another file, or a symlink, by now)
+            fd, direct = open_direct(f"/proc/self/fd/{self.fd}", os.O_RDONLY)
             if not direct:
                 os.close(fd)
                 self.may_open_direct = False

@@ -12,6 +12,7 @@ failure removes the tmp file and re-raises; a kill leaves it for recovery.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -22,10 +23,13 @@ from npukv_store.io.direct import open_direct
 from npukv_store.io.engine import IOEngine
 from npukv_store.io.writer import write_image
 from npukv_store.spec import NamespaceSpec
-from npukv_store.store.directory import HOST, CacheDir, unlink_quietly
+from npukv_store.store.directory import HOST, CacheDir
 from npukv_store.store.format import encode_header, layer_checksums
 
 _IOV_MAX = 1024
+#: Where a directory fd can be named as a path (Linux); without it, the
+#: background writer's O_DIRECT writes become buffered ones.
+_PROC_FD = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else ""
 
 
 def write_chunk(
@@ -124,26 +128,51 @@ def _publish_file(
     direct: bool,
 ) -> tuple[str, int]:
     """The publish order for one file: ``write(fd, is_direct)`` into a new tmp/
-    file, fsync (``sync``), rename into ``chunks/``, fsync the directory."""
+    file, fsync (``sync``), rename into ``chunks/``, fsync the directory.
+    Every step is relative to the root's fd (a symlinked ``tmp`` or
+    ``chunks`` is refused, never followed) and the file gets the access's
+    mode (0600, or 0660 with cache_group)."""
     path = cdir.chunk_path(namespace, chunk_id)
     tmp = cdir.tmp_path(chunk_id)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    fd, is_direct = (
-        open_direct(tmp, flags) if direct else (os.open(tmp, flags, 0o644), False)
-    )
+    fd, is_direct = _create_tmp(cdir, tmp, direct)
     try:
         size = write(fd, is_direct)
         if sync:
             os.fsync(fd)
-        os.rename(tmp, path)
+        cdir.rename(tmp, path)
     except BaseException:
-        unlink_quietly(tmp)
+        # the first error is the one to report, not a failed cleanup's
+        with contextlib.suppress(OSError):
+            cdir.unlink_quietly(tmp)
         raise
     finally:
         os.close(fd)
     if sync:
-        _fsync_dir(os.path.dirname(path))
+        with cdir.subdir(os.path.dirname(path)) as dir_fd:
+            os.fsync(dir_fd)
     return path, size
+
+
+def _create_tmp(cdir: CacheDir, tmp: str, direct: bool) -> tuple[int, bool]:
+    """A new tmp/ file, with O_DIRECT when ``direct`` and the filesystem
+    allows it. open_direct() takes a path: it is given the tmp directory's
+    fd as /proc/self/fd/N/<name>, so the open stays relative to a directory
+    we checked (the magic link is the directory itself, not a lookup of
+    ``tmp`` by name)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    if not (direct and _PROC_FD):
+        return cdir.open_file(tmp, flags), False
+    mode = cdir.access.file_mode
+    with cdir.parent(tmp) as (dir_fd, name):
+        fd, is_direct = open_direct(
+            f"{_PROC_FD}/{dir_fd}/{name}", flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode
+        )
+    try:
+        cdir.access.fix_mode(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, is_direct
 
 
 def _write_layers(
@@ -189,11 +218,3 @@ def _write_all(fd: int, buffers: list[memoryview]) -> int:
                 pending[0] = pending[0][done:]
                 done = 0
     return total
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
