@@ -225,12 +225,29 @@ def aligned(nbytes: int) -> np.ndarray:
     return raw[skip : skip + nbytes]
 
 
+def secret_file(work: Path) -> str:
+    """The tier's secret, shared by every node of the run (0600, made once
+    and published whole by a link: the contributor may read it at once):
+    its key names and value MACs are part of what is measured."""
+    path = work / "remote.secret"
+    if not path.exists():
+        tmp = work / f"remote.secret.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(os.urandom(32))
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+        tmp.unlink()
+    return str(path)
+
+
 def store_config(cache_dir: Path, master: str, segment: int, ring: int, **kw: Any):
     from npukv_store import StoreConfig
 
     return StoreConfig(
         cache_dir=str(cache_dir), ring_size=ring, remote_store="mooncake",
-        mooncake_master=master, mooncake_segment_size=segment, **kw,
+        mooncake_master=master, mooncake_segment_size=segment,
+        remote_secret_file=secret_file(cache_dir.parent), **kw,
     )  # fmt: skip
 
 
@@ -369,13 +386,13 @@ def measure_load(
     from npukv_store.connector.worker.pages import page_layout
     from npukv_store.connector.worker.remote_loads import RemoteLoads
     from npukv_store.device import get_backend
-    from npukv_store.remote.value import ValueLayout, remote_key, verify_value
+    from npukv_store.remote.value import ValueLayout, remote_keys, verify_value
 
     count = len(keys)
     layout = ValueLayout.for_spec(spec)
     size = layout.value_bytes
     fp = store.fingerprint
-    names = [remote_key(fp, key) for key in keys]
+    names = remote_keys(fp, keys, tier.keys.name_key)
     caches = cpu_pages(spec, count, dtype)
     backend = get_backend("cpu")
     placed = [
@@ -422,7 +439,10 @@ def measure_load(
         if hasattr(tier, "_verify"):  # the tier's own verification (2 threads)
             bad = [w for w in tier._verify(layout, fp, keys, out, [size] * count) if w]
         else:
-            bad = [i for i in ids if verify_value(layout, fp, keys[i], out[i])]
+            bad = [
+                i for i in ids
+                if verify_value(layout, fp, keys[i], out[i], mac_key=tier.keys.mac_key)
+            ]  # fmt: skip
         took = time.perf_counter() - began
         assert not bad
         return took
@@ -653,11 +673,11 @@ def measure_lookup(
     tier: Any, raw: Any, store: Any, fp: bytes, keys: list[bytes], samples: int
 ) -> dict[str, Any]:
     from npukv_store.connector.scheduler.remote_lookup import RemoteLookup
-    from npukv_store.remote.value import remote_key
+    from npukv_store.remote.value import remote_keys
 
     lookup = RemoteLookup(tier, 50.0)
     total, local, raw_us = [], [], []
-    names = [remote_key(fp, key) for key in keys]
+    names = remote_keys(fp, keys, tier.keys.name_key)
     misses = 0
     wait_up(tier)
     for i in range(samples + 5):
@@ -867,6 +887,7 @@ def vllm_part(
             "cache_dir": str(work / cache), "ring_size": "128MiB",
             "remote_store": "mooncake", "mooncake_master": master.address,
             "mooncake_segment_size": segment,
+            "remote_secret_file": secret_file(work),
         }  # fmt: skip
         return ["--connector", "npukv", "--extra", json.dumps(config)]
 

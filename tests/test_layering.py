@@ -18,7 +18,7 @@ PACKAGE = REPO / "npukv_store"
 #: 3: io never imports store; cli and connector are both 5)
 RANK = {
     "errors": 0, "spec": 0, "liveness": 0, "_native": 0, "_twin": 0,
-    "native": 1, "config": 1, "hashing": 1,
+    "native": 1, "config": 1, "hashing": 1, "keying": 1,
     "io": 2, "device": 2, "remote": 2, "config_reference": 2,
     "store": 3, "testing": 3,
     "maintenance": 4,
@@ -139,11 +139,11 @@ def test_heavy_imports_stay_in_connector_and_device():
     assert bad == []
 
 
-def test_remote_imports_only_config_spec_errors_native():
+def test_remote_imports_only_config_spec_errors_native_keying():
     """The remote tier knows nothing of the store, I/O or devices: the
     connector wires it in (the store sees it as a RemoteSink)."""
     graph = import_graph()
-    allowed = {"remote", "config", "spec", "errors", "native"}
+    allowed = {"remote", "config", "spec", "errors", "native", "keying"}
     bad = [
         f"{name} imports {target}"
         for name, targets in graph.items()

@@ -233,6 +233,20 @@ class MooncakeMaster(_ChildProcess):
         self._proc: subprocess.Popen[bytes] | None = None
         self.starts = 0  # processes launched so far, for tests of restart()
 
+    @property
+    def secret_file(self) -> str:
+        """A 0600 file of 32 random bytes beside the log: the
+        ``remote_secret_file`` every client of this master shares (one trust
+        domain per master), made on first use."""
+        path = Path(self.log_path).with_name(f"tier-{self.rpc_port}.secret")
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, os.urandom(32))
+            finally:
+                os.close(fd)
+        return str(path)
+
     def command(self) -> list[str]:
         """The command line start() runs."""
         return [
@@ -406,6 +420,20 @@ class MooncakePool(_ChildProcess):
         self.log_path = Path(log_dir) / f"mooncake_pool-{self.port}.log"
         self._binary = binary or find_client_binary()
         self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def secret_file(self) -> str:
+        """A 0600 file of 32 random bytes beside the log: the
+        ``remote_secret_file`` every client of this master shares (one trust
+        domain per master), made on first use."""
+        path = Path(self.log_path).with_name(f"tier-{self.rpc_port}.secret")
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, os.urandom(32))
+            finally:
+                os.close(fd)
+        return str(path)
 
     def command(self) -> list[str]:
         """The command line start() runs."""

@@ -58,6 +58,10 @@ COUNTED = {
     "remote_load_bytes": "Bytes loaded from the remote tier, verified.",
     "remote_load_missing": "Remote blocks gone when loaded (recomputed).",
     "remote_load_corrupt": "Remote values that failed verification (recomputed).",
+    "remote_load_mac_failed": (
+        "Remote values whose MAC failed: forged, or put by a node of another "
+        "secret (recomputed; also counted in remote_load_corrupt)."
+    ),
     "remote_load_errors": "Remote blocks whose load failed otherwise (recomputed).",
 }
 #: the load policy's decisions, by the label value each is counted under

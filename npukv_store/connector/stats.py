@@ -45,6 +45,7 @@ COUNTERS = (
     "remote_load_bytes",
     "remote_load_missing",
     "remote_load_corrupt",
+    "remote_load_mac_failed",
     "remote_load_errors",
 )
 #: the tier's totals each side reports (one process may hold both sides and

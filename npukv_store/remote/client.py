@@ -7,12 +7,18 @@ made (:func:`new_client`) or asked for (:func:`mooncake_missing`).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 from npukv_store.config import StoreConfig
+from npukv_store.errors import ConfigError
+from npukv_store.keying import RemoteKeys, remote_keys_for
+
+logger = logging.getLogger(__name__)
 
 #: Mooncake's return codes met on this path (mooncake-store's ErrorCode)
 MISSING = -704  # OBJECT_NOT_FOUND
@@ -40,13 +46,20 @@ class Counters:
 class FetchResult:
     """A load's outcome: ``ok[i]`` says value i in ``out`` is verified;
     ``abandoned``: the call did not return in time and may still write into
-    ``out``, which the caller must not reuse."""
+    ``out``, which the caller must not reuse until ``pending`` (that call)
+    is done."""
 
-    __slots__ = ("abandoned", "ok")
+    __slots__ = ("abandoned", "ok", "pending")
 
-    def __init__(self, ok: list[bool], abandoned: bool = False) -> None:
+    def __init__(
+        self,
+        ok: list[bool],
+        abandoned: bool = False,
+        pending: Future[Any] | None = None,
+    ) -> None:
         self.ok = ok
         self.abandoned = abandoned
+        self.pending = pending
 
 
 def mooncake_missing() -> str | None:
@@ -60,6 +73,39 @@ def mooncake_missing() -> str | None:
             "and libibverbs1 (scripts/setup_env.sh installs both)"
         )
     return None
+
+
+_NO_SECRET = (
+    "remote_store is {store} but remote_secret_file is not set: without a "
+    "secret any host that reaches Mooncake could read, forge and remove the KV "
+    "cache. Set remote_secret_file to a file of at least 32 random bytes "
+    "(chmod 600) shared by the tier's nodes, or remote_insecure: true to run "
+    "the tier without one"
+)
+
+
+def tier_keys(config: StoreConfig) -> RemoteKeys:
+    """The tier's keys from ``config``; ConfigError when it may not run."""
+    keys = remote_keys_for(
+        config.remote_store, config.remote_secret_file, config.remote_insecure
+    )
+    if keys is None:
+        raise ConfigError(_NO_SECRET.format(store=config.remote_store))
+    return keys
+
+
+_SAID: set[str] = set()  # why a tier was refused: said once per process
+_SAID_LOCK = threading.Lock()
+
+
+def tier_off(reason: str) -> None:
+    """Log why the tier is off: one ERROR per reason and process (both sides
+    of the connector ask for the tier)."""
+    with _SAID_LOCK:
+        if reason in _SAID:
+            return
+        _SAID.add(reason)
+    logger.error("npukv_store: the remote tier is off: %s", reason)
 
 
 def new_client() -> Any:

@@ -18,7 +18,12 @@ copied the values out). ``setup`` and ``close`` hold the GIL while they run
 port takes a connection, and close runs at shutdown.
 A :class:`~.breaker.CircuitBreaker` stops calls while the master is down and
 probes it with one ``get_size`` per wait; setup is retried the same way, so a
-tier started before its master comes up by itself (docs/decisions/0055).
+tier started before its master comes up by itself (docs/decisions/0055). A
+get abandoned at its deadline holds the tier down until it returns.
+
+Every key name and value is keyed with the tier's secret
+(:class:`~npukv_store.keying.RemoteKeys`, from ``remote_secret_file``): a
+tier without one does not start unless ``remote_insecure`` says so.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from npukv_store.config import StoreConfig
+from npukv_store.errors import ConfigError
+from npukv_store.keying import RemoteKeys
 from npukv_store.remote.breaker import CircuitBreaker
 from npukv_store.remote.client import (
     MISSING,
@@ -43,9 +50,11 @@ from npukv_store.remote.client import (
     master_listens,
     mooncake_missing,
     new_client,
+    tier_keys,
+    tier_off,
 )
 from npukv_store.remote.transfers import TransfersMixin
-from npukv_store.remote.value import remote_key
+from npukv_store.remote.value import remote_keys
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +74,32 @@ class MooncakeTier(TransfersMixin):
     """One process's client of a Mooncake master; see the module docstring.
 
     Args:
-        config: the ``remote_store``, ``mooncake_*`` and ``remote_timeout_ms`` keys.
+        config: the ``remote_store``, ``mooncake_*``, ``remote_secret_file``,
+            ``remote_insecure`` and ``remote_timeout_ms`` keys.
         client_factory: makes the Mooncake client (tests pass a fake).
+        keys: the tier's name and MAC keys; by default derived from
+            ``config`` (:func:`~npukv_store.keying.remote_keys_for`).
+
+    Raises:
+        ConfigError: no usable secret (see :func:`open_tier`, which says so
+            in the log instead).
     """
 
     def __init__(
-        self, config: StoreConfig, client_factory: Callable[[], Any] | None = None
+        self,
+        config: StoreConfig,
+        client_factory: Callable[[], Any] | None = None,
+        keys: RemoteKeys | None = None,
     ) -> None:
         self.config = config
+        self.keys = keys or tier_keys(config)
+        if self.keys.insecure:
+            logger.warning(
+                "npukv_store: the remote tier runs with remote_insecure: any host "
+                "that reaches Mooncake %s can read, forge and remove the KV cache "
+                "(set remote_secret_file to a secret shared by the tier's nodes)",
+                config.mooncake_master,
+            )
         self.counters = Counters()
         self.breaker = CircuitBreaker()
         self._factory = client_factory or new_client
@@ -90,6 +117,8 @@ class MooncakeTier(TransfersMixin):
         self._busy_since: dict[str, float] = {}  # call -> when it began
         self._stalled: dict[str, float] = {}  # call -> the start counted as stuck
         self._began: dict[str, float] = {}  # call -> when it last began
+        self._stuck_get: Future[Any] | None = None  # abandoned, not returned yet
+        self._bad_values: dict[str, int] = {}  # see TransfersMixin._bad_value
         self._puts_lock = threading.Lock()
         self._closed = False
         self._ctl.submit(self._connect)
@@ -98,12 +127,14 @@ class MooncakeTier(TransfersMixin):
 
     @property
     def up(self) -> bool:
-        return self._client is not None and self.breaker.up
+        return self._client is not None and self.breaker.up and not self._get_stuck()
 
     def _usable(self) -> bool:
         """Whether calls may be made now; while the breaker is open, the one
-        probe it allows is sent to the master (health or setup) instead."""
-        if self._closed:
+        probe it allows is sent to the master (health or setup) instead.
+        Nothing is sent while an abandoned get is still out: the breaker
+        stays open (no probe closes it) until that call returns."""
+        if self._closed or self._get_stuck():
             return False
         self._check_stall()
         if self.breaker.up:  # no client yet: the first setup is still out
@@ -114,7 +145,8 @@ class MooncakeTier(TransfersMixin):
 
     def _check_stall(self) -> None:
         """A control or put call still out after STALL_S is a dead master (a
-        load has its own deadline); each stuck call counts once."""
+        load has its own deadline, and one past it holds the tier down:
+        _get_stuck); each stuck call counts once."""
         now = time.monotonic()
         for name, since in list(self._busy_since.items()):
             if name == "get" or now - since <= STALL_S:
@@ -225,7 +257,7 @@ class MooncakeTier(TransfersMixin):
         (a probe is out; ask again). 0 while the tier is down."""
         if not keys or not self._usable():
             return 0
-        names = [remote_key(fingerprint, key) for key in keys]
+        names = remote_keys(fingerprint, keys, self.keys.name_key)
         now = time.monotonic()
         known = 0
         while known < len(names) and self._present.get(names[known], 0.0) > now:
@@ -314,26 +346,36 @@ class MooncakeTier(TransfersMixin):
             client.close()
 
 
-_TIERS: dict[tuple[str, str, str], MooncakeTier] = {}
+_TIERS: dict[tuple[str, str, str, RemoteKeys], MooncakeTier] = {}
 _USERS: dict[int, int] = {}  # id(tier) -> open_tier calls not yet released
 _TIERS_LOCK = threading.Lock()
 
 
 def open_tier(config: StoreConfig) -> MooncakeTier | None:
-    """This process's tier for ``config``'s master (one per master, shared by
-    the connector's sides; give it back with :func:`release_tier`); None when
-    ``remote_store`` is ``none``."""
+    """This process's tier for ``config``'s master and secret (one per
+    master, shared by the connector's sides; give it back with
+    :func:`release_tier`); None when ``remote_store`` is ``none``, and, with
+    one ERROR line saying why, when Mooncake is missing or no secret is
+    usable: the local store serves on alone."""
     if config.remote_store == "none":
+        return None
+    try:
+        keys = tier_keys(config)
+    except ConfigError as exc:
+        tier_off(str(exc))
         return None
     missing = mooncake_missing()
     if missing is not None:
-        logger.error("npukv_store: the remote tier is off: %s", missing)
+        tier_off(missing)
         return None
-    key = (config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol)
+    key = (
+        config.mooncake_master, config.mooncake_metadata, config.mooncake_protocol,
+        keys,
+    )  # fmt: skip
     with _TIERS_LOCK:
         tier = _TIERS.get(key)
         if tier is None or tier._closed:
-            tier = _TIERS[key] = MooncakeTier(config)
+            tier = _TIERS[key] = MooncakeTier(config, keys=keys)
         _USERS[id(tier)] = _USERS.get(id(tier), 0) + 1
         return tier
 

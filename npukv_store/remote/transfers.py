@@ -14,16 +14,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
 
 from npukv_store import native
+from npukv_store.keying import RemoteKeys
 from npukv_store.remote.breaker import CircuitBreaker
 from npukv_store.remote.client import MISSING, NO_SPACE, RPC_FAIL, Counters, FetchResult
-from npukv_store.remote.value import ValueLayout, remote_key, verify_value
+from npukv_store.remote.value import (
+    MAC_MISMATCH,
+    SUMS_OFFSET,
+    ValueLayout,
+    remote_keys,
+    verify_value,
+)
 from npukv_store.spec import NamespaceSpec
 
 logger = logging.getLogger(__name__)
@@ -48,6 +55,7 @@ class TransfersMixin:
 
     _client: Any
     _closed: bool
+    keys: RemoteKeys
     breaker: CircuitBreaker
     counters: Counters
     _puts_lock: threading.Lock
@@ -57,6 +65,9 @@ class TransfersMixin:
     _verifier: ThreadPoolExecutor
     _put_buffer: np.ndarray
     _began: dict[str, float]
+    _stuck_get: Future[Any] | None
+    _lock: threading.Lock
+    _bad_values: dict[str, int]  # failure kind -> failures since it last warned
 
     def _usable(self) -> bool:
         raise NotImplementedError
@@ -126,7 +137,7 @@ class TransfersMixin:
                 self._done_put(release)
                 return
             staging = self._staging(len(keys) * layout.value_bytes)
-            _lay_out_values(staging, layout, fingerprint, keys, pieces)
+            _lay_out_values(staging, layout, fingerprint, keys, pieces, self.keys)
         except Exception:
             self.counters.add(remote_put_failed=len(keys))
             logger.warning("npukv_store: a remote put failed", exc_info=True)
@@ -136,7 +147,7 @@ class TransfersMixin:
         try:
             size = layout.value_bytes
             base = staging.ctypes.data
-            names = [remote_key(fingerprint, key) for key in keys]
+            names = remote_keys(fingerprint, keys, self.keys.name_key)
             ptrs = [base + i * size for i in range(len(keys))]
             codes = self._call(
                 "put", lambda: client.batch_put_from(names, ptrs, [size] * len(keys))
@@ -190,6 +201,25 @@ class TransfersMixin:
 
     # -- loads ---------------------------------------------------------------------
 
+    def _get_stuck(self) -> bool:
+        """Whether a get abandoned at its deadline has not returned yet. Its
+        return is said once; the breaker's next probe then brings the tier
+        back."""
+        stuck = self._stuck_get
+        if stuck is None:
+            return False
+        if not stuck.done():
+            return True
+        with self._lock:
+            if self._stuck_get is not stuck:
+                return False
+            self._stuck_get = None
+        logger.warning(
+            "npukv_store: the abandoned batch_get_into returned after %.1f s; "
+            "probing the remote tier again", time.monotonic() - self._began["get"],
+        )  # fmt: skip
+        return False
+
     def fetch(
         self,
         fingerprint: bytes,
@@ -200,14 +230,20 @@ class TransfersMixin:
         """Read the values of ``keys`` into ``out`` (uint8 ``[n, value_bytes]``,
         registered with :meth:`register`) and verify each; waits at most a
         deadline sized by the bytes. A miss, a corrupt value or an error is
-        ``ok[i] = False`` (recomputed), never an exception."""
+        ``ok[i] = False`` (recomputed), never an exception.
+
+        A get past its deadline is abandoned (``abandoned``, with the call's
+        future in ``pending``) and holds the tier down until it returns
+        (:meth:`~.tier.MooncakeTier._usable`): the one get thread is stuck
+        behind it, and every load sent after would be abandoned in turn,
+        each keeping its caller's buffer."""
         count = len(keys)
         failed = FetchResult([False] * count)
         if not count or not self._usable():
             return failed
         client = self._client
         size = layout.value_bytes
-        names = [remote_key(fingerprint, key) for key in keys]
+        names = remote_keys(fingerprint, keys, self.keys.name_key)
         base = out.ctypes.data
         ptrs = [base + i * size for i in range(count)]
         future = self._get.submit(
@@ -219,16 +255,17 @@ class TransfersMixin:
         try:
             codes = future.result(timeout=deadline)
         except FutureTimeout:
+            self._stuck_get = future  # before the breaker opens: no probe closes it
             self._failed(f"batch_get_into did not return in {deadline:.2f} s")
             self.counters.add(remote_load_errors=count)
-            return FetchResult([False] * count, abandoned=True)
+            return FetchResult([False] * count, abandoned=True, pending=future)
         except Exception as exc:
             self._failed(f"batch_get_into raised {exc!r}")
             self.counters.add(remote_load_errors=count)
             return failed
         ok = [False] * count
         whys = self._verify(layout, fingerprint, keys, out, codes)
-        missing = corrupt = errors = 0
+        missing = corrupt = forged = errors = verified = 0
         for i, code in enumerate(codes):
             why = ""
             if code == size:
@@ -242,7 +279,12 @@ class TransfersMixin:
                 errors += 1
             if why:
                 corrupt += 1
-                self._warn_corrupt(names[i], why)
+                forged += why.startswith(MAC_MISMATCH)
+                self._bad_value(names[i], why)
+            elif ok[i]:
+                verified += 1
+        if verified and not corrupt:
+            self._values_good()
         if RPC_FAIL in codes:
             self._failed(f"batch_get_into returned {RPC_FAIL}", self._began["get"])
         else:
@@ -253,6 +295,7 @@ class TransfersMixin:
             remote_load_bytes=good * size,
             remote_load_missing=missing,
             remote_load_corrupt=corrupt,
+            remote_load_mac_failed=forged,
             remote_load_errors=errors,
         )
         return FetchResult(ok)
@@ -270,11 +313,14 @@ class TransfersMixin:
         on one thread here, 12-13 ms on two, against about 90 ms to get them."""
         whys = [""] * len(keys)
         size = layout.value_bytes
+        mac_key = self.keys.mac_key
 
         def check(indices: range) -> None:
             for i in indices:
                 if codes[i] == size:
-                    whys[i] = verify_value(layout, fingerprint, keys[i], out[i])
+                    whys[i] = verify_value(
+                        layout, fingerprint, keys[i], out[i], mac_key=mac_key
+                    )
 
         half = (len(keys) + 1) // 2
         if len(keys) < 8:
@@ -285,11 +331,36 @@ class TransfersMixin:
             second.result()
         return whys
 
-    def _warn_corrupt(self, name: str, why: str) -> None:
-        logger.warning(
-            "npukv_store: remote value %s is not the block asked for (%s); "
-            "recomputing it", name, why,
-        )  # fmt: skip
+    def _bad_value(self, name: str, why: str) -> None:
+        """One WARNING for the first value of a kind (a MAC that fails, or
+        any other mismatch) after a stretch of good loads; the others at
+        DEBUG: whoever can put values in the tier must not flood the log."""
+        kind = "mac" if why.startswith(MAC_MISMATCH) else "corrupt"
+        seen = self._bad_values.get(kind, 0)
+        self._bad_values[kind] = seen + 1
+        if seen:
+            logger.debug("npukv_store: remote value %s refused (%s)", name, why)
+        elif kind == "mac":
+            logger.warning(
+                "npukv_store: remote value %s fails its MAC (%s): forged, or put by "
+                "a node with another remote_secret_file; recomputing it and any "
+                "such value after (remote_load_mac_failed)", name, why,
+            )  # fmt: skip
+        else:
+            logger.warning(
+                "npukv_store: remote value %s is not the block asked for (%s); "
+                "recomputing it and any such value after (remote_load_corrupt)",
+                name, why,
+            )  # fmt: skip
+
+    def _values_good(self) -> None:
+        """A load whose values all verified: the next bad one warns again."""
+        if self._bad_values:
+            counts, self._bad_values = self._bad_values, {}
+            logger.info(
+                "npukv_store: remote values verify again (%d refused since the "
+                "warning)", sum(counts.values()),
+            )  # fmt: skip
 
 
 def _lay_out_values(
@@ -298,10 +369,12 @@ def _lay_out_values(
     fingerprint: bytes,
     keys: Sequence[bytes],
     pieces: Pieces,
+    secrets: RemoteKeys,
 ) -> None:
     """Write the whole value of every key into ``staging`` (value-major):
     its prefix, then its pieces (checksums and rows) copied in one native
-    call, GIL released."""
+    call, GIL released, then the MAC over the prefix and the checksums as
+    they landed (the header piece's last part)."""
     size = layout.value_bytes
     values = staging.reshape(len(keys), size)
     prefix_bytes = len(layout.prefix(fingerprint, b"\0" * 16))
@@ -311,7 +384,7 @@ def _lay_out_values(
     src, dst, sizes = [], [], []
     base = staging.ctypes.data
     for i, key_pieces in enumerate(pieces):
-        offset = base + i * size + prefix_bytes
+        offset = base + i * size + SUMS_OFFSET
         for address, nbytes in key_pieces:
             src.append(address)
             dst.append(offset)
@@ -319,9 +392,10 @@ def _lay_out_values(
             offset += nbytes
         if offset != base + (i + 1) * size:
             raise ValueError(
-                f"pieces of key {i}: found {offset - base - i * size} bytes, "
-                f"expected {size}"
+                f"pieces of key {i}: found {offset - base - i * size - SUMS_OFFSET} "
+                f"bytes, expected {size - SUMS_OFFSET}"
             )
     native.copy_ptrs(
         np.array(src, np.int64), np.array(dst, np.int64), np.array(sizes, np.int64)
     )
+    layout.sign(secrets.mac_key, values)

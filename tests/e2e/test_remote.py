@@ -92,6 +92,7 @@ def _blocks(names: list[str]) -> int:
 def _remote(master: MooncakeMaster, segment: str | int) -> dict[str, Any]:
     return {
         "remote_store": "mooncake",
+        "remote_secret_file": master.secret_file,  # the nodes' shared secret
         "mooncake_master": master.address,
         "mooncake_segment_size": segment,
         "remote_timeout_ms": TIMEOUT_MS,

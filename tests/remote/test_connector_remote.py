@@ -26,14 +26,18 @@ from tests.support.connector import (  # noqa: E402
     make_request,
     worker_for,
 )
+from tests.support.remote import secret_file  # noqa: E402
 
 
 def remote(master, **kw) -> dict:
+    """The tier's keys; every node of a test shares the master's directory's
+    secret."""
     return {
         "remote_store": "mooncake",
         "mooncake_master": master.address,
         "mooncake_segment_size": "64MiB",
         "mooncake_local_buffer": "16MiB",
+        "remote_secret_file": secret_file(master.log_path.parent),
         **kw,
     }
 

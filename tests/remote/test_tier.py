@@ -7,13 +7,14 @@ Helpers: tests/support/remote.py; the ``nodes`` fixture: conftest.py.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 
 from npukv_store import NamespaceSpec
 from npukv_store.hashing import namespace_fingerprint
-from npukv_store.remote.value import ValueLayout, encode_value, remote_key
+from npukv_store.remote.value import SUMS_OFFSET, ValueLayout, encode_value, remote_key
 from tests.support.blocks import block_tensors, tiny_spec
 from tests.support.remote import (
     assert_layers_equal,
@@ -60,7 +61,7 @@ def test_write_through_reaches_another_node_byte_for_byte(nodes):
     assert not result.abandoned
     assert_layers_equal(spec, out, keys, range(40))
     # the whole value too: prefix, the chunk's checksums, the rows
-    assert np.array_equal(out, expected_values(spec, keys))
+    assert np.array_equal(out, expected_values(spec, keys, writer.keys.mac_key))
     loads = reader.counters.snapshot()
     assert loads.get("remote_load_blocks") == 40, loads
     assert loads.get("remote_load_bytes") == 40 * layout.value_bytes, loads
@@ -86,7 +87,7 @@ def test_drain_waits_for_the_release_of_every_put(nodes):
     spec = tiny_spec()
     fingerprint = namespace_fingerprint(spec)
     tier = nodes.tier()
-    values = expected_values(spec, make_keys("drain", 3))
+    values = expected_values(spec, make_keys("drain", 3), tier.keys.mac_key)
     tier.register(values.ctypes.data, values.nbytes)
     layout = ValueLayout.for_spec(spec)
     released: list[float] = []
@@ -97,7 +98,12 @@ def test_drain_waits_for_the_release_of_every_put(nodes):
 
     base = values.ctypes.data
     pieces = [
-        [(base + i * layout.value_bytes + 64, layout.value_bytes - 64)]
+        [
+            (
+                base + i * layout.value_bytes + SUMS_OFFSET,
+                layout.value_bytes - SUMS_OFFSET,
+            )
+        ]
         for i in range(3)
     ]
     assert tier.offer_blocks(spec, fingerprint, make_keys("drain", 3), pieces, release)
@@ -143,7 +149,7 @@ def test_begin_save_writes_through_unless_told_not_to(nodes):
     assert tier.lookup(fingerprint, fresh, 0.5) == 6
     out = load_buffer(tier, layout, 6)
     assert tier.fetch(fingerprint, layout, fresh, out).ok == [True] * 6
-    assert np.array_equal(out, expected_values(spec, fresh))
+    assert np.array_equal(out, expected_values(spec, fresh, tier.keys.mac_key))
 
 
 def test_lookup_waits_no_longer_than_asked(nodes):
@@ -204,7 +210,9 @@ def test_two_namespaces_on_one_master_never_meet(nodes):
     assert reader.fetch(fp_a, layout, only_b, out[:12]).ok == [False] * 12
     for spec, fp, keys in ((spec_a, fp_a, only_a), (spec_b, fp_b, only_b)):
         assert reader.fetch(fp, layout, keys + both, out).ok == [True] * 18
-        assert np.array_equal(out, expected_values(spec, keys + both))
+        assert np.array_equal(
+            out, expected_values(spec, keys + both, reader.keys.mac_key)
+        )
     counts = reader.counters.snapshot()
     assert counts.get("remote_load_corrupt", 0) == 0, counts  # misses, not reads
     assert counts.get("remote_load_missing") == 24, counts
@@ -214,6 +222,9 @@ def test_two_namespaces_on_one_master_never_meet(nodes):
 
 
 def test_corrupt_values_are_refused_one_by_one(nodes, caplog):
+    """Each refused, counted; one WARNING per kind (a failed MAC, any other
+    mismatch) until a load verifies again, each value's reason at DEBUG."""
+    caplog.set_level(logging.DEBUG, logger="npukv_store.remote.transfers")
     spec = tiny_spec()
     layout = ValueLayout.for_spec(spec)
     fingerprint = namespace_fingerprint(spec)
@@ -221,11 +232,12 @@ def test_corrupt_values_are_refused_one_by_one(nodes, caplog):
     tier = nodes.tier()
     keys = make_keys("corrupt", 10)
     put_through(nodes.store(tier, spec), keys)
-    good = expected_values(spec, keys)
+    good = expected_values(spec, keys, tier.keys.mac_key)
     client = tier._client  # the raw Mooncake client, to overwrite values
 
     def overwrite(index: int, value: bytes) -> None:
-        assert client.upsert(remote_key(fingerprint, keys[index]), value) == 0
+        name = remote_key(fingerprint, keys[index], tier.keys.name_key)
+        assert client.upsert(name, value) == 0
 
     rng = np.random.default_rng(7)
     overwrite(1, rng.integers(0, 256, layout.value_bytes, np.uint8).tobytes())
@@ -234,7 +246,7 @@ def test_corrupt_values_are_refused_one_by_one(nodes, caplog):
     # a valid value of the same block, of another namespace
     overwrite(4, encode_value(layout, other_fp, keys[4], block_layers(
         spec, block_tensors(spec, keys), 4
-    )))  # fmt: skip
+    ), mac_key=tier.keys.mac_key))  # fmt: skip
     # one flipped bit in a layer's data
     flipped = good[6].copy()
     flipped[layout.layer_offset(2) + 17] ^= 0x10
@@ -254,11 +266,31 @@ def test_corrupt_values_are_refused_one_by_one(nodes, caplog):
     assert counts.get("remote_load_blocks") == 4, counts
     assert counts.get("remote_load_missing", 0) == 0, counts
     assert tier.up  # corruption is not an outage
-    said = [r.getMessage() for r in caplog.records if "is not the block" in r.message]
+    assert counts.get("remote_load_mac_failed") == 1, counts  # 1: random bytes
+    warned = [r.getMessage() for r in warnings(caplog)]
+    assert len([w for w in warned if "fails its MAC" in w]) == 1, warned
+    assert len([w for w in warned if "is not the block" in w]) == 1, warned
+    said = [r.getMessage() for r in caplog.records if r.name.endswith("transfers")]
     assert len(said) == 5, said
     assert any(f"key {keys[5].hex()}, expected {keys[3].hex()}" in s for s in said)
     assert any("namespace" in s for s in said)
     assert any("layer 2 checksum" in s for s in said)
+    assert any("MAC mismatch" in s for s in said)
+    # again: no more warnings while values keep failing; a good load resets
+    tier.fetch(fingerprint, layout, keys, out)
+    assert len(warnings(caplog)) == 2
+    good_keys = [keys[i] for i in sorted(set(range(10)) - bad)]
+    assert all(tier.fetch(fingerprint, layout, good_keys, out[:4]).ok)
+    tier.fetch(fingerprint, layout, keys, out)
+    assert len(warnings(caplog)) == 4
+
+
+def warnings(caplog) -> list[logging.LogRecord]:
+    return [
+        r
+        for r in caplog.records
+        if r.name.endswith("transfers") and r.levelno == logging.WARNING
+    ]
 
 
 # -- a full segment --------------------------------------------------------------------
@@ -289,7 +321,8 @@ def test_full_segment_drops_remote_puts_but_keeps_local_blocks(nodes):
     result = tier.fetch(fingerprint, layout, keys, out)
     assert 0 < sum(result.ok) <= stored
     rows = [i for i, ok in enumerate(result.ok) if ok]
-    assert np.array_equal(out[rows], expected_values(spec, [keys[i] for i in rows]))
+    want = expected_values(spec, [keys[i] for i in rows], tier.keys.mac_key)
+    assert np.array_equal(out[rows], want)
     loads = tier.counters.snapshot()
     assert loads.get("remote_load_missing") == 192 - len(rows), loads
     assert loads.get("remote_load_errors", 0) == 0, loads

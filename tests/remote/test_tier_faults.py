@@ -5,23 +5,26 @@ may wait longer than it asked, and an outage costs one warning each way."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from concurrent.futures import Future
 from statistics import median
 
 import numpy as np
 import pytest
 
-from npukv_store import StoreConfig
 from npukv_store.hashing import namespace_fingerprint
+from npukv_store.remote import transfers
 from npukv_store.remote.breaker import CLOSED
+from npukv_store.remote.client import FetchResult
 from npukv_store.remote.tier import STALL_S, MooncakeTier
 from npukv_store.remote.transfers import load_deadline_s
-from npukv_store.remote.value import ValueLayout
+from npukv_store.remote.value import SUMS_OFFSET, ValueLayout
 from tests.support.blocks import tiny_spec
 from tests.support.mooncake import MooncakeMaster, free_ports, require_mooncake
 from tests.support.remote import (
+    HangingClient,
     expected_values,
+    fake_config,
     join_closes,
     load_buffer,
     make_keys,
@@ -47,9 +50,12 @@ def timed(fn, *args):
 
 
 def value_pieces(values: np.ndarray, layout: ValueLayout) -> list:
-    """Per value of ``values``: its body after the 64-byte prefix, one piece."""
+    """Per value of ``values``: its body after the prefix and MAC, one piece."""
     base, size = values.ctypes.data, layout.value_bytes
-    return [[(base + i * size + 64, size - 64)] for i in range(len(values))]
+    return [
+        [(base + i * size + SUMS_OFFSET, size - SUMS_OFFSET)]
+        for i in range(len(values))
+    ]
 
 
 # -- the master killed, then restarted -------------------------------------------------
@@ -85,7 +91,7 @@ def test_dead_master_costs_one_warning_and_no_waiting(nodes, mooncake_master, ca
 
     # a put offered while down is dropped, counted and its region released
     released = []
-    values = expected_values(SPEC, make_keys("offer", 2))
+    values = expected_values(SPEC, make_keys("offer", 2), tier.keys.mac_key)
     offered, took = timed(
         tier.offer_blocks, SPEC, FP, make_keys("offer", 2),
         value_pieces(values, LAYOUT), lambda: released.append(True),
@@ -157,56 +163,12 @@ def test_restarted_master_is_found_again(nodes, mooncake_master, caplog):
     assert tier.lookup(FP, new, 0.5) == 8
     out = load_buffer(tier, LAYOUT, 8)
     assert tier.fetch(FP, LAYOUT, new, out).ok == [True] * 8
-    assert np.array_equal(out, expected_values(SPEC, new))
+    assert np.array_equal(out, expected_values(SPEC, new, tier.keys.mac_key))
     assert tier.fetch(FP, LAYOUT, old, out).ok == [False] * 8
     assert len(lines(caplog, "remote tier is back")) == 1
 
 
 # -- a client whose calls hang (a master that accepts and never answers) ---------------
-
-
-class HangingClient:
-    """A fake Mooncake client: lookups and loads hang for ``hang_s`` (until
-    released), the rest answers at once."""
-
-    def __init__(self, hang_s: float = 3.0, setup_s: float = 0.0, setup_rc: int = 0):
-        self.hang_s = hang_s
-        self.setup_s = setup_s
-        self.setup_rc = setup_rc
-        self.released = threading.Event()
-        self.setups = 0
-        self.exists = 0
-        self.gets = 0
-
-    def setup(self, *args) -> int:
-        self.setups += 1
-        self.released.wait(self.setup_s)
-        return self.setup_rc
-
-    def register_buffer(self, address: int, nbytes: int) -> int:
-        return 0
-
-    def unregister_buffer(self, address: int) -> int:
-        return 0
-
-    def batch_is_exist(self, names):
-        self.exists += 1
-        self.released.wait(self.hang_s)
-        return [1] * len(names)
-
-    def batch_get_into(self, names, ptrs, sizes):
-        self.gets += 1
-        self.released.wait(self.hang_s)
-        return [-704] * len(names)
-
-    def get_size(self, name) -> int:
-        return -704
-
-    def batch_put_from_multi_buffers(self, names, ptrs, sizes):
-        return [0] * len(names)
-
-    def close(self) -> int:
-        return 0
 
 
 @pytest.fixture
@@ -215,11 +177,7 @@ def hanging(tmp_path):
     made: list[tuple[MooncakeTier, HangingClient]] = []
 
     def make(client: HangingClient) -> MooncakeTier:
-        config = StoreConfig(
-            cache_dir=str(tmp_path / f"fake{len(made)}"),
-            remote_store="mooncake",
-            mooncake_master="127.0.0.1:9",  # never dialled: the client is fake
-        )
+        config = fake_config(tmp_path / f"fake{len(made)}")
         tier = MooncakeTier(config, client_factory=lambda: client)
         made.append((tier, client))
         return tier
@@ -283,6 +241,8 @@ def test_hanging_load_is_abandoned_at_its_deadline(hanging, caplog):
     deadline = load_deadline_s(out.nbytes)
     result, took = timed(tier.fetch, FP, LAYOUT, keys, out)
     assert result.abandoned
+    assert result.pending is not None
+    assert not result.pending.done()
     assert result.ok == [False] * 16
     # at its deadline (the margin is for this shared machine; the call hangs 3 s)
     assert deadline - 0.01 <= took < deadline + 0.25, (took, deadline)
@@ -296,6 +256,130 @@ def test_hanging_load_is_abandoned_at_its_deadline(hanging, caplog):
     assert took < 0.01
     assert tier.lookup(FP, keys, 0.02) == 0
     assert client.gets == 1
+
+
+def test_a_get_that_never_returns_leaves_one_abandoned_buffer(hanging, caplog):
+    """A peer that never answers one get (review finding 6): the tier sends
+    no get, probe or lookup while that call is out, however long the
+    loads keep coming (10 s here: the breaker would have reopened and
+    closed about 7 times), so one load buffer is set aside, not one per
+    load; once the call returns the buffer is freed and the tier comes back."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    client = HangingClient(hang_s=600.0)  # until released
+    tier = hanging(client)
+    assert wait_until(lambda: tier.up, 2.0)
+    loads = remote_loads(tier)
+    keys = make_keys("never", 16)
+    ids = list(range(16))
+    began = time.monotonic()
+    outcomes, held = [], []
+    while time.monotonic() - began < 10.0:
+        failed, took = timed(loads.load, [keys], [ids])
+        outcomes.append(took)
+        assert failed == set(ids)
+        held.append(len(loads._abandoned))
+        assert held[-1] <= 1, f"{held[-1]} buffers abandoned after {len(held)} loads"
+        time.sleep(0.02)
+    assert client.gets == 1, f"{client.gets} gets sent behind the stuck one"
+    assert held[-1] == 1
+    assert max(outcomes[1:]) < 0.05, "a load waited behind the stuck get"
+    assert client.sizes == 0, "a probe was sent while the get was out"
+    assert not tier.up
+    assert len(lines(caplog, "remote tier is down")) == 1
+    assert lines(caplog, "remote tier is back") == []
+    # the call returns: its buffer is freed at the next load, and the
+    # breaker's next probe brings the tier back
+    client.hang_s = 0.0
+    client.released.set()
+    assert wait_until(lambda: (loads.load([keys], [ids]), tier.up)[1], 5.0)
+    back = [r for r in caplog.records if "batch_get_into returned" in r.message]
+    assert len(back) == 1
+    sent = client.gets
+    loads.load([keys], [ids])
+    assert loads._abandoned == []
+    assert client.gets == sent + 1, "loads are sent again"
+    loads.close()
+
+
+def test_a_stuck_get_holds_the_tier_down_until_it_returns(hanging, monkeypatch):
+    """The tier alone (any caller, a fresh buffer each time): while the
+    abandoned get is out nothing is sent, no probe closes the breaker, and
+    no later load is abandoned, however fast the breaker would retry."""
+    monkeypatch.setattr(transfers, "load_deadline_s", lambda nbytes: 0.01)
+    client = HangingClient(hang_s=600.0)
+    tier = hanging(client)
+    tier.breaker.first_wait_s = tier.breaker.max_wait_s = 0.02
+    assert wait_until(lambda: tier.up, 2.0)
+    keys = make_keys("stuck", 4)
+    abandoned = 0
+    began = time.monotonic()
+    while time.monotonic() - began < 2.0:
+        out = np.zeros((4, LAYOUT.value_bytes), np.uint8)
+        abandoned += tier.fetch(FP, LAYOUT, keys, out).abandoned
+        assert tier.lookup(FP, keys, 0.01) == 0
+        time.sleep(0.005)
+    assert abandoned == 1
+    assert client.gets == 1
+    assert client.sizes == 0, "probed while the get was out"
+    assert client.exists == 0
+    assert not tier.up
+    client.hang_s = 0.0
+    client.released.set()
+    assert wait_until(lambda: (tier.lookup(FP, keys, 0.01), tier.up)[1], 2.0)
+    out = np.zeros((4, LAYOUT.value_bytes), np.uint8)
+    assert not tier.fetch(FP, LAYOUT, keys, out).abandoned
+    assert client.gets == 2
+
+
+class AbandoningTier:
+    """A tier whose every load is abandoned, its call never returning:
+    RemoteLoads must bound what it sets aside by itself."""
+
+    def __init__(self) -> None:
+        self.fetches = 0
+        self.calls: list[Future] = []
+
+    def register(self, address: int, nbytes: int) -> None:
+        pass
+
+    def unregister(self, address: int) -> None:
+        pass
+
+    def fetch(self, fingerprint, layout, keys, out) -> FetchResult:
+        self.fetches += 1
+        self.calls.append(Future())
+        return FetchResult([False] * len(keys), abandoned=True, pending=self.calls[-1])
+
+
+def test_remote_loads_set_aside_at_most_one_buffer():
+    from npukv_store.connector.worker.remote_loads import MAX_ABANDONED
+
+    tier = AbandoningTier()
+    loads = remote_loads(tier)  # type: ignore[arg-type]
+    keys, ids = make_keys("aside", 4), list(range(4))
+    for _ in range(50):
+        assert loads.load([keys], [ids]) == set(ids)
+        assert len(loads._abandoned) <= MAX_ABANDONED
+    assert tier.fetches == MAX_ABANDONED, "asked the tier with a buffer still out"
+    kept = loads._abandoned[0][0]
+    tier.calls[0].set_result([])  # the stuck call returns: freed, asked again
+    assert loads.load([keys], [ids]) == set(ids)
+    assert tier.fetches == MAX_ABANDONED + 1
+    assert all(buffer is not kept for buffer, _ in loads._abandoned)
+    loads.close()
+
+
+def remote_loads(tier: MooncakeTier):
+    """A worker's RemoteLoads over ``tier`` for SPEC, on the CPU backend
+    (no layers: a fake tier never gives a block to copy)."""
+    from types import SimpleNamespace
+
+    from npukv_store.connector.worker.remote_loads import RemoteLoads
+    from npukv_store.device import get_backend
+
+    backend = get_backend("cpu")
+    store = SimpleNamespace(spec=SPEC, fingerprint=FP)
+    return RemoteLoads(tier, [store], [], backend, backend.new_stream(), False)
 
 
 def test_setup_is_retried_at_the_breakers_pace(hanging):

@@ -190,7 +190,9 @@ class Loader:
                 self.out = load_buffer(self.tier, LAYOUT, 64)
             rows = [i for i, good in enumerate(result.ok) if good]
             if rows:
-                want = expected_values(SPEC, [part[i] for i in rows])
+                want = expected_values(
+                    SPEC, [part[i] for i in rows], self.tier.keys.mac_key
+                )
                 assert np.array_equal(out[rows], want), "a verified wrong value"
             ok += result.ok
         return ok

@@ -1,14 +1,18 @@
-"""The Mooncake tier tests' helpers (tests/remote): a tier's config, block
-keys, waits, stores attached to a tier, the values a node writes for
-block_tensors, and Nodes, the tiers and stores a test makes (the ``nodes``
-fixture, tests/remote/conftest.py)."""
+"""The Mooncake tier tests' helpers (tests/remote, tests/security): a tier's
+config and secret, block keys, waits, stores attached to a tier, the values a
+node writes for block_tensors, Nodes, the tiers and stores a test makes (the
+``nodes`` fixture, tests/remote/conftest.py), and HangingClient, a fake
+Mooncake client whose calls hang."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -22,7 +26,28 @@ SEGMENT = 64 << 20
 LOCAL_BUFFER = "16MiB"
 
 
+def secret_file(directory, name: str = "remote.secret") -> str:
+    """``directory/name``: 32 random bytes, 0600, made once and published
+    whole by a link (processes of one test may ask at once)."""
+    path = Path(directory) / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(os.urandom(32))
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+        tmp.unlink()
+    return str(path)
+
+
 def tier_config(address: str, cache_dir, segment: int = SEGMENT, **kw) -> StoreConfig:
+    """A node's config; its secret is the test's (``remote.secret`` next to
+    the cache dir, so every node of one test shares it) unless ``kw`` names
+    one or remote_insecure."""
+    if "remote_secret_file" not in kw and not kw.get("remote_insecure"):
+        kw["remote_secret_file"] = secret_file(Path(cache_dir).parent)
     return StoreConfig(
         cache_dir=str(cache_dir),
         capacity="256MiB",
@@ -90,20 +115,26 @@ def block_layers(spec: NamespaceSpec, tensors, row: int) -> list[bytes]:
     ]
 
 
-def expected_values(spec: NamespaceSpec, keys: Sequence[bytes]) -> np.ndarray:
-    """The values a node that put block_tensors(spec, keys) wrote, exactly."""
+def expected_values(
+    spec: NamespaceSpec, keys: Sequence[bytes], mac_key: bytes
+) -> np.ndarray:
+    """The values a node (of MAC key ``mac_key``: ``tier.keys.mac_key``) that
+    put block_tensors(spec, keys) wrote, exactly."""
     layout = ValueLayout.for_spec(spec)
     fingerprint = namespace_fingerprint(spec)
     tensors = block_tensors(spec, list(keys))
     return np.stack(
         [
             np.frombuffer(
-                encode_value(layout, fingerprint, key, block_layers(spec, tensors, i)),
+                encode_value(
+                    layout, fingerprint, key, block_layers(spec, tensors, i),
+                    mac_key=mac_key,
+                ),
                 np.uint8,
             )
             for i, key in enumerate(keys)
         ]
-    )
+    )  # fmt: skip
 
 
 def assert_layers_equal(spec: NamespaceSpec, out: np.ndarray, keys, rows) -> None:
@@ -135,9 +166,13 @@ class Nodes:
         self.tiers: list[MooncakeTier] = []
         self.stores: list[KVStore] = []
 
-    def tier(self, segment: int = SEGMENT, name: str | None = None) -> MooncakeTier:
+    def tier(
+        self, segment: int = SEGMENT, name: str | None = None, **kw
+    ) -> MooncakeTier:
+        """A tier on the master, up; ``kw``: config keys (another
+        remote_secret_file, remote_insecure)."""
         name = name or f"node{len(self.tiers)}"
-        config = tier_config(self.master.address, self.tmp_path / name, segment)
+        config = tier_config(self.master.address, self.tmp_path / name, segment, **kw)
         tier = MooncakeTier(config)
         self.tiers.append(tier)
         return wait_up(tier)
@@ -146,7 +181,11 @@ class Nodes:
         """A store (on the tier's cache_dir by default) that writes through to it."""
         config = tier.config
         if cache_dir is not None:
-            config = tier_config(self.master.address, cache_dir, 0)
+            config = tier_config(
+                self.master.address, cache_dir, 0,
+                remote_secret_file=config.remote_secret_file,
+                remote_insecure=config.remote_insecure,
+            )  # fmt: skip
         store = KVStore(config, spec)
         self.stores.append(store)
         attach(store, tier)
@@ -172,3 +211,61 @@ def put_through(store: KVStore, keys: Sequence[bytes], batch: int = 16) -> None:
         result = store.put_async(part, block_tensors(spec, part))
         assert result.queued == len(part), result
         assert store.flush(10.0)
+
+
+class HangingClient:
+    """A fake Mooncake client: lookups and loads hang for ``hang_s`` (until
+    ``released`` is set), the rest answers at once (``get_size``: not found,
+    so the breaker's health probes succeed)."""
+
+    def __init__(self, hang_s: float = 3.0, setup_s: float = 0.0, setup_rc: int = 0):
+        self.hang_s = hang_s
+        self.setup_s = setup_s
+        self.setup_rc = setup_rc
+        self.released = threading.Event()
+        self.setups = 0
+        self.exists = 0
+        self.gets = 0
+        self.sizes = 0
+
+    def setup(self, *args) -> int:
+        self.setups += 1
+        self.released.wait(self.setup_s)
+        return self.setup_rc
+
+    def register_buffer(self, address: int, nbytes: int) -> int:
+        return 0
+
+    def unregister_buffer(self, address: int) -> int:
+        return 0
+
+    def batch_is_exist(self, names):
+        self.exists += 1
+        self.released.wait(self.hang_s)
+        return [1] * len(names)
+
+    def batch_get_into(self, names, ptrs, sizes):
+        self.gets += 1
+        self.released.wait(self.hang_s)
+        return [-704] * len(names)
+
+    def get_size(self, name) -> int:
+        self.sizes += 1
+        return -704
+
+    def batch_put_from(self, names, ptrs, sizes):
+        return [0] * len(names)
+
+    def close(self) -> int:
+        return 0
+
+
+def fake_config(cache_dir, **kw) -> StoreConfig:
+    """A config for a tier over a fake client (the master is never dialled)."""
+    kw.setdefault("remote_secret_file", secret_file(Path(cache_dir).parent))
+    return StoreConfig(
+        cache_dir=str(cache_dir),
+        remote_store="mooncake",
+        mooncake_master="127.0.0.1:9",
+        **kw,
+    )

@@ -6,14 +6,19 @@ local layers are read.
 
 Per KV cache group, one ``batch_get_into`` reads every remote block of the job
 into one registered host buffer (``[blocks, value_bytes]``); the tier checks
-each value (namespace, key, every layer's checksum) and what fails is a load
-error, recomputed by vLLM. Then each layer's rows are copied to its pages
+each value (its MAC, namespace, key, every layer's checksum) and what fails
+is a load error, recomputed by vLLM. Then each layer's rows are copied to its pages
 through the device layer, on the transfer stream, before any local layer of
 the job is issued: every layer's "done" event, recorded later on the same
 stream, covers them. With ``remote_promote`` the verified blocks are also
 staged into the local store (not written back to the tier), so the next hit
 on them is local; that copy runs on its own thread, after the pages are
 filled, and the next load waits for it before reusing the buffer.
+
+A get abandoned at its deadline may still write into its buffer: that buffer
+is set aside until the call returns, then freed. At most MAX_ABANDONED are
+set aside; while that many are, remote blocks are recomputed without asking
+the tier (which itself sends nothing while such a get is out).
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ from npukv_store.remote.value import ValueLayout
 from npukv_store.store.store import KVStore
 
 logger = logging.getLogger(__name__)
+
+#: buffers a hung get may still write into, kept until it returns; a load
+#: can be GBs, so a peer that never answers must not make each load leak one
+MAX_ABANDONED = 1
 
 
 class _Buffer(HostBuffer):
@@ -77,7 +86,8 @@ class RemoteLoads:
         self._promote = promote
         self._value_layouts = [ValueLayout.for_spec(s.spec) for s in self._stores]
         self._buffer = _Buffer(tier, backend)
-        self._abandoned: list[_Buffer] = []  # still written by a hung call
+        # (buffer, its get): set aside until the get returns
+        self._abandoned: list[tuple[_Buffer, Future[Any]]] = []
         self._promoter = ThreadPoolExecutor(1, thread_name_prefix="npukv-promote")
         self._promoting: Future[None] | None = None
 
@@ -97,6 +107,8 @@ class RemoteLoads:
         layout = self._value_layouts[group]
         count = len(keys)
         self._wait_promotion()  # it reads the buffer about to be reused
+        if self._free_abandoned() >= MAX_ABANDONED:
+            return list(ids)  # recomputed; the tier is down until it returns
         try:
             host = self._buffer.ensure(count * layout.value_bytes).reshape(count, -1)
             result = self.tier.fetch(store.fingerprint, layout, keys, host)
@@ -106,8 +118,11 @@ class RemoteLoads:
             )
             return list(ids)
         if result.abandoned:  # the call may still write into it: keep it
-            self._abandoned.append(self._buffer)  # alive, and never reuse it
-            self._buffer = _Buffer(self.tier, self._backend)
+            # alive, unused, until the call returns (result.pending)
+            pending = result.pending
+            if pending is None or not pending.done():
+                self._abandoned.append((self._buffer, pending or _never()))
+                self._buffer = _Buffer(self.tier, self._backend)
             return list(ids)
         rows = [i for i in range(count) if result.ok[i]]
         if rows:
@@ -184,6 +199,18 @@ class RemoteLoads:
         except Exception:
             logger.warning("npukv_store: promoting remote blocks failed", exc_info=True)
 
+    def _free_abandoned(self) -> int:
+        """Free the set-aside buffers whose get has returned; how many are
+        still written by a call out."""
+        still = []
+        for buffer, pending in self._abandoned:
+            if pending.done():
+                buffer.close()
+            else:
+                still.append((buffer, pending))
+        self._abandoned = still
+        return len(still)
+
     def _wait_promotion(self) -> None:
         pending, self._promoting = self._promoting, None
         if pending is not None:
@@ -193,3 +220,10 @@ class RemoteLoads:
         self._wait_promotion()
         self._promoter.shutdown(wait=True)
         self._buffer.close()
+        self._free_abandoned()  # the rest the process's exit frees
+
+
+def _never() -> Future[Any]:
+    """A future that never completes: a buffer abandoned without one is
+    never known to be free, so it is never reused (nor freed)."""
+    return Future()
