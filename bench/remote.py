@@ -112,6 +112,7 @@ from typing import Any
 import numpy as np
 
 from bench.harness.mooncake import HOST, MooncakeMaster
+from bench.harness.mooncake import secret_file as harness_secret_file
 from bench.harness.processes import child_env, die_with_parent, python_module, reap
 from bench.report import Report, gbps, pct, table
 
@@ -226,19 +227,9 @@ def aligned(nbytes: int) -> np.ndarray:
 
 
 def secret_file(work: Path) -> str:
-    """The tier's secret, shared by every node of the run (0600, made once
-    and published whole by a link: the contributor may read it at once):
-    its key names and value MACs are part of what is measured."""
-    path = work / "remote.secret"
-    if not path.exists():
-        tmp = work / f"remote.secret.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(os.urandom(32))
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)
-        tmp.unlink()
-    return str(path)
+    """The tier's secret, shared by every node of the run: its key names and
+    value MACs are part of what is measured."""
+    return harness_secret_file(work / "remote.secret")
 
 
 def store_config(cache_dir: Path, master: str, segment: int, ring: int, **kw: Any):

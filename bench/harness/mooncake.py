@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -203,6 +204,22 @@ class _ChildProcess:
         self.stop()
 
 
+def secret_file(path: str | os.PathLike[str]) -> str:
+    """``path``: 32 random bytes, 0600, made once and published whole by a
+    link (several processes may ask at once); the tier's remote_secret_file."""
+    path = Path(path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(os.urandom(32))
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+        tmp.unlink()
+    return str(path)
+
+
 class MooncakeMaster(_ChildProcess):
     """One mooncake_master process on 127.0.0.1, logging to log_dir.
 
@@ -235,17 +252,11 @@ class MooncakeMaster(_ChildProcess):
 
     @property
     def secret_file(self) -> str:
-        """A 0600 file of 32 random bytes beside the log: the
-        ``remote_secret_file`` every client of this master shares (one trust
-        domain per master), made on first use."""
-        path = Path(self.log_path).with_name(f"tier-{self.rpc_port}.secret")
-        if not path.exists():
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, os.urandom(32))
-            finally:
-                os.close(fd)
-        return str(path)
+        """The ``remote_secret_file`` its clients share, beside the log, made
+        on first use: one trust domain per log directory, so that a master
+        started again (or another one) in the same directory serves the
+        same key domain, as a restarted master of one cluster does."""
+        return secret_file(Path(self.log_path).with_name("tier.secret"))
 
     def command(self) -> list[str]:
         """The command line start() runs."""
@@ -420,20 +431,6 @@ class MooncakePool(_ChildProcess):
         self.log_path = Path(log_dir) / f"mooncake_pool-{self.port}.log"
         self._binary = binary or find_client_binary()
         self._proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def secret_file(self) -> str:
-        """A 0600 file of 32 random bytes beside the log: the
-        ``remote_secret_file`` every client of this master shares (one trust
-        domain per master), made on first use."""
-        path = Path(self.log_path).with_name(f"tier-{self.rpc_port}.secret")
-        if not path.exists():
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, os.urandom(32))
-            finally:
-                os.close(fd)
-        return str(path)
 
     def command(self) -> list[str]:
         """The command line start() runs."""

@@ -194,9 +194,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     finally:
         index.close()
     fixed = fix(cdir, args.fast) if args.fix else []
-    for line in [*problems, *fixed]:
-        print(line)
-    print(f"{len(problems)} problem(s) in {cdir.root}")
+    for line in [*problems, *fixed]:  # they quote file names and metadata
+        print(render.printable(line))
+    print(f"{len(problems)} problem(s) in {render.printable(cdir.root)}")
     return EXIT_PROBLEMS if problems else EXIT_OK
 
 
@@ -219,7 +219,10 @@ def cmd_rebuild_index(args: argparse.Namespace) -> int:
         index = recovery.rebuild_index(cdir, map_size=config.index_map_size, sync=True)
     total, chunks, blocks = index.totals()
     index.close()
-    print(f"rebuilt {cdir.index_path}: {chunks} chunks, {blocks} blocks, {total} bytes")
+    print(
+        f"rebuilt {render.printable(cdir.index_path)}: {chunks} chunks, {blocks} "
+        f"blocks, {total} bytes"
+    )
     return EXIT_OK
 
 
@@ -343,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except (NpuKVError, OSError) as exc:
-        print(f"npukv {args.command}: {exc}", file=sys.stderr)
+        print(f"npukv {args.command}: {render.printable(exc)}", file=sys.stderr)
         return EXIT_UNUSABLE
 
 

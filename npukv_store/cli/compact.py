@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 
+from npukv_store.cli.render import printable
 from npukv_store.config import parse_size
 from npukv_store.errors import ConfigError, NpuKVError
 from npukv_store.maintenance import Options, Summary, run
@@ -130,7 +131,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "compact.py") -> int:
         with _progress(enabled=not args.json) as progress:
             summary = run(options, progress)
     except (NpuKVError, OSError) as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
+        print(f"{prog}: {printable(exc)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(asdict(summary) | {"problems": summary.problems}))
@@ -182,4 +183,4 @@ def _print_summary(summary: Summary) -> None:
         f"{summary.quarantined}"
     )
     for line in summary.quarantined_chunks:
-        print(f"quarantined {line}")
+        print(f"quarantined {printable(line)}")

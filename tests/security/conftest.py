@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from bench import host
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -113,22 +114,11 @@ def summary() -> dict[str, Any]:
         "escapes": sum(k["escapes"] for k in kinds),
         "crashes": sum(k["crashes"] for k in kinds),
         "kinds": kinds,
-        "commit": _git_commit(),
+        "commit": host.commit(),
         "host": platform.node(),
         "uid": os.geteuid(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-            text=True, timeout=10, check=False,
-        )  # fmt: skip
-        return out.stdout.strip()
-    except OSError:
-        return ""
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

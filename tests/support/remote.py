@@ -6,9 +6,7 @@ Mooncake client whose calls hang."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.harness.mooncake import secret_file as harness_secret_file
 from npukv_store import KVStore, NamespaceSpec, StoreConfig
 from npukv_store.hashing import namespace_fingerprint
 from npukv_store.remote.tier import MooncakeTier
@@ -27,19 +26,8 @@ LOCAL_BUFFER = "16MiB"
 
 
 def secret_file(directory, name: str = "remote.secret") -> str:
-    """``directory/name``: 32 random bytes, 0600, made once and published
-    whole by a link (processes of one test may ask at once)."""
-    path = Path(directory) / name
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{name}.{os.getpid()}.{threading.get_ident()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(os.urandom(32))
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, path)
-        tmp.unlink()
-    return str(path)
+    """``directory/name``: the tier's shared secret, made once (bench's)."""
+    return harness_secret_file(Path(directory) / name)
 
 
 def tier_config(address: str, cache_dir, segment: int = SEGMENT, **kw) -> StoreConfig:
