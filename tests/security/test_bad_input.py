@@ -19,15 +19,23 @@ from npukv_store import KVStore, StoreConfig
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import HOST, CacheDir
 from tests.support.blocks import block_tensors, empty_blocks, tiny_spec
+from tests.support.chunks import only_chunk
 
 HUGE = "9" * 5000  # above int()'s 4300-digit limit
 ORPHAN_ID = "00000000deadbeef"
 
 
-def _only_chunk(config: StoreConfig, namespace: str) -> str:
-    chunks = os.path.join(config.cache_dir, namespace, "chunks")
-    (name,) = os.listdir(chunks)
-    return os.path.join(chunks, name)
+def _rewrite_header(config: StoreConfig, edit, name: str | None = None) -> str:
+    """The one chunk's bytes with ``edit`` applied to its header, written over
+    it, or beside it as ``name`` (an orphan); the path written."""
+    with KVStore(config, tiny_spec()) as store:
+        path = only_chunk(config.cache_dir, store.namespace)
+    with open(path, "rb") as handle:
+        data = handle.read()
+    target = path if name is None else os.path.join(os.path.dirname(path), name)
+    with open(target, "wb") as handle:
+        handle.write(_reheader(data, edit))
+    return target
 
 
 @pytest.fixture
@@ -105,12 +113,7 @@ PUBLISHED = {
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_a_published_chunk_with_bad_numbers_is_a_miss(attack, filled, name):
     config, keys = filled
-    with KVStore(config, tiny_spec()) as store:
-        path = _only_chunk(config, store.namespace)
-    with open(path, "rb") as handle:
-        data = handle.read()
-    with open(path, "wb") as handle:
-        handle.write(_reheader(data, PUBLISHED[name]))
+    _rewrite_header(config, PUBLISHED[name])
     with attack(f"header: {name} in a published chunk"):
         _read_is_a_miss(config, keys)
 
@@ -118,7 +121,7 @@ def test_a_published_chunk_with_bad_numbers_is_a_miss(attack, filled, name):
 def test_a_header_length_past_eof_is_a_miss(attack, filled):
     config, keys = filled
     with KVStore(config, tiny_spec()) as store:
-        path = _only_chunk(config, store.namespace)
+        path = only_chunk(config.cache_dir, store.namespace)
     with open(path, "r+b") as handle:
         handle.write(struct.pack("<Q", 2**63 + 5))
     with attack("header: length 2**63 in a published chunk"):
@@ -129,12 +132,7 @@ def test_a_5000_digit_created_ns_does_not_stop_an_index_rebuild(attack, filled):
     """The index is rebuilt from the chunks' own metadata, which int()'s
     created_ns; the chunk is dropped, the store opens."""
     config, keys = filled
-    with KVStore(config, tiny_spec()) as store:
-        path = _only_chunk(config, store.namespace)
-    with open(path, "rb") as handle:
-        data = handle.read()
-    with open(path, "wb") as handle:
-        handle.write(_reheader(data, PUBLISHED["5000-digit created_ns"]))
+    _rewrite_header(config, PUBLISHED["5000-digit created_ns"])
     shutil.rmtree(CacheDir(config.cache_dir).index_path)
     with (
         attack("header: 5000-digit created_ns at an index rebuild"),
@@ -165,13 +163,7 @@ ORPHANS = {
 @pytest.mark.parametrize("name", sorted(ORPHANS))
 def test_an_orphan_chunk_with_bad_numbers_does_not_stop_the_store(attack, filled, name):
     config, keys = filled
-    with KVStore(config, tiny_spec()) as store:
-        path = _only_chunk(config, store.namespace)
-    with open(path, "rb") as handle:
-        data = handle.read()
-    orphan = os.path.join(os.path.dirname(path), f"{ORPHAN_ID}.safetensors")
-    with open(orphan, "wb") as handle:
-        handle.write(_reheader(data, ORPHANS[name]))
+    orphan = _rewrite_header(config, ORPHANS[name], f"{ORPHAN_ID}.safetensors")
     with (
         attack(f"header: {name} in an orphan chunk"),
         KVStore(config, tiny_spec()) as store,  # scans orphans at open

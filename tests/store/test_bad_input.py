@@ -17,14 +17,9 @@ from npukv_store import (
     VersionMismatch,
 )
 from tests.support.blocks import block_tensors, empty_blocks, tiny_spec
+from tests.support.chunks import only_chunk
 
 pytestmark = pytest.mark.integration
-
-
-def only_chunk(root, namespace):
-    chunks = os.path.join(root, namespace, "chunks")
-    (name,) = os.listdir(chunks)
-    return os.path.join(chunks, name)
 
 
 @pytest.fixture

@@ -20,6 +20,13 @@ from npukv_store.store.format import encode_header
 BLOCKS = 64  # 1 MiB of data: the header read (64 KiB) caches little of it
 
 
+def only_chunk(cache_dir: str, namespace: str) -> str:
+    """The path of the one chunk file of ``namespace``."""
+    chunks = os.path.join(cache_dir, namespace, "chunks")
+    (name,) = os.listdir(chunks)
+    return os.path.join(chunks, name)
+
+
 def chunk_files(cache_dir: str) -> dict[int, str]:
     """chunk id -> path, over every namespace of ``cache_dir``."""
     cdir = CacheDir(cache_dir)
