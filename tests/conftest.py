@@ -69,3 +69,41 @@ def work(
     path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
     runs.build_model(path / "model")
     return path
+
+
+# What runs beside what under pytest-xdist (scripts/test.sh: `-n 2 --dist
+# loadgroup`; decision 0056). The end-to-end tests spend most of their time in
+# vLLM's start-up, one Python thread at a time, so two of them share the 2-core
+# CI machine well. Everything else stays in one group and runs one test after
+# another, as without xdist: its multi-process, SIGKILL and lock tests were
+# written for one test at a time, and security.json is written by the one
+# worker that ran all of tests/security.
+SERIAL_GROUP = "serial"
+# (session-wide ones, such as tmp_path_factory, are made once per worker
+# anyway)
+_SHARED_SCOPES = frozenset({"module", "class", "package"})
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """``item``'s group: its own node id for an end-to-end test on its own
+    fixtures, its module for one that shares a fixture wider than a test (the
+    module's model and baseline run, built once per worker), else the serial
+    group."""
+    parts = Path(str(item.fspath)).parts
+    if "e2e" not in parts:
+        return SERIAL_GROUP
+    # (pytest keeps each test's fixture closure only on this private attribute)
+    info = getattr(item, "_fixtureinfo", None)
+    defs = getattr(info, "name2fixturedefs", {}) or {}
+    if any(d.scope in _SHARED_SCOPES for seq in defs.values() for d in seq):
+        return item.nodeid.split("::")[0]
+    return item.nodeid
+
+
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
