@@ -4,6 +4,7 @@ the end-to-end tests' work directory with a tiny model."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -100,6 +101,9 @@ def xdist_group_of(item: pytest.Item) -> str:
     return item.nodeid
 
 
+# tryfirst: xdist's own hook (registered after this file) turns the marks into
+# node-id suffixes, so the marks must be there before it runs
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
@@ -107,3 +111,20 @@ def pytest_collection_modifyitems(
         return
     for item in items:
         item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """Refuse a run in which pytest-xdist did not take the groups (it tags
+    each node id with ``@group`` under --dist loadgroup): the SIGKILL and lock
+    tests would run beside each other."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    untagged = [nodeid for nodeid in ids if "@" not in nodeid]
+    if untagged:
+        pytest.exit(
+            f"pytest-xdist's --dist loadgroup did not group {untagged[0]} (and "
+            f"{len(untagged) - 1} more): pytest {pytest.__version__} with this "
+            "pytest-xdist ignores test groups; setup.cfg pins a pytest that takes them",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
