@@ -72,7 +72,11 @@ import numpy as np
 from bench.host import cpu_ticks, steal_share
 from bench.report import Report, pct, table
 from npukv_store import KVStore, LayerSpec, NamespaceSpec, PartSpec, StoreConfig, native
+from npukv_store.cli.render import calibration_text
 from npukv_store.io.engine import READ, WRITE, IORequest, make_engine
+from npukv_store.store import calibration
+from npukv_store.store.calibration import Calibration
+from npukv_store.store.directory import CacheDir
 
 MIB = 1 << 20
 PIECE = 4 * MIB
@@ -264,12 +268,27 @@ def _batch(
     return keys, tensors_of(piece, spec, blocks)
 
 
+def measure_calibration(root: Path) -> Calibration:
+    """The disk's calibration as ``npukv calibrate`` measures it, in a scratch
+    cache directory under ``root``. The benchmarks' stores are made afresh
+    per case, so each saves it into its own directory (``calibration.save``)
+    and its reads then take the route it chose, as a server's would."""
+    cdir = CacheDir(str(root / "calibration"))
+    cdir.open()
+    try:
+        return calibration.measure(cdir)
+    finally:
+        cdir.close()
+        shutil.rmtree(root / "calibration", ignore_errors=True)
+
+
 def bench_read(
     root: Path,
     payload: np.ndarray,
     depth: int,
     paths: dict[str, dict[str, int]],
     cold_draws: int = 1,
+    calibrated: Calibration | None = None,
 ) -> dict[str, float]:
     """GB/s of KVStore.read through the engine at ``depth``: keys ``cold`` and
     ``warm`` (one call for all keys) and ``cold_per_chunk``/``warm_per_chunk``
@@ -292,6 +311,8 @@ def bench_read(
             keys, tensors = _batch(store, spec, payload, index, blocks)
             store.put(keys, tensors)
             batches.append(keys)
+        if calibrated is not None:
+            calibration.save(store.dir, calibrated)
     all_keys = [key for keys in batches for key in keys]
     all_out = tensors_of(aligned_buffer(payload.nbytes), spec, len(all_keys))
     speeds: dict[str, float] = {}
@@ -431,6 +452,8 @@ def run(args: argparse.Namespace) -> Report:
     payload = aligned_buffer(total)
     payload[:] = np.random.default_rng(1).integers(0, 255, total, dtype=np.uint8)
     try:
+        calibrated = measure_calibration(root)
+        print(f"first reads: {calibration_text(calibrated.summary())}")
         # Round by round, every case once: the raw baselines and the store's
         # cases are then minutes apart at most, not a whole run (host vm's disk
         # drifts by 30% between minutes); each case keeps its best round.
@@ -456,7 +479,9 @@ def run(args: argparse.Namespace) -> Report:
             latencies += lat
             drops += dropped
             draws = 2 * len(engines())  # the raw QD16 cold variants per round
-            for key, value in bench_read(root, payload, 16, read_paths, draws).items():
+            for key, value in bench_read(
+                root, payload, 16, read_paths, draws, calibrated
+            ).items():
                 reads[key] = max(reads.get(key, 0.0), value)
         copy_native, copy_numpy, copy_take = bench_copy(rounds)
     finally:
@@ -488,6 +513,10 @@ def run(args: argparse.Namespace) -> Report:
         "read_qd16_ratio_per_chunk": round(reads["cold_per_chunk"] / qd16_cold, 3),
         "read_qd16_warm_ratio_per_chunk": round(reads["warm_per_chunk"] / qd16_warm, 3),
         "read_qd16_paths_last_round": read_paths,
+        # the disk's calibration, and the first-read route it chose for the
+        # store's reads above (docs/decisions/0063)
+        "read_calibration": calibrated.summary(),
+        "first_reads": calibrated.summary()["first_reads"],
         "native_copy_gbps": round(copy_native, 3),
         "numpy_copy_gbps": round(copy_numpy, 3),
         "numpy_take_gbps": round(copy_take, 3),

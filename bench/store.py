@@ -104,12 +104,15 @@ from safetensors.numpy import load_file, save_file
 
 from bench import ROOT
 from bench.host import cpu_ticks, steal_share
+from bench.io import measure_calibration
 from bench.report import Report, gbps, pct, table
+from npukv_store.cli.render import calibration_text
 from npukv_store.config import StoreConfig
 from npukv_store.io.direct import aligned_buffer, open_direct
 from npukv_store.native import sync_file_range_write
 from npukv_store.spec import LayerSpec, NamespaceSpec, PartSpec
-from npukv_store.store import KVStore
+from npukv_store.store import KVStore, calibration
+from npukv_store.store.calibration import Calibration
 from npukv_store.store.read.plan import ReadTuning
 
 MIB = 1 << 20
@@ -332,6 +335,11 @@ def raw_read(ctx: Context, path: Path, direct: bool = False) -> float:
 # -- ours ----------------------------------------------------------------------
 
 
+#: The disk's calibration (``run`` measures it first), saved into every
+#: store's fresh directory: ``npukv calibrate``'s first-read route.
+CALIBRATED: Calibration | None = None
+
+
 def open_store(
     path: Path,
     spec: NamespaceSpec,
@@ -346,7 +354,10 @@ def open_store(
         verify=verify,
         direct_io=direct_io,
     )
-    return KVStore(config, spec, read_tuning=tuning)
+    store = KVStore(config, spec, read_tuning=tuning)
+    if CALIBRATED is not None:  # its reads take the route the disk's chose
+        calibration.save(store.dir, CALIBRATED)
+    return store
 
 
 def ours_write(ctx: Context, store: KVStore, keys: list[bytes]) -> float:
@@ -828,6 +839,9 @@ def run(args: argparse.Namespace) -> Report:
             f"dir {root} ({fs_type(root)}), {total // MIB} MiB per case, "
             f"best of {rounds} rounds, cache drop: {drop_method}"
         )
+        global CALIBRATED
+        CALIBRATED = measure_calibration(root)
+        print(f"first reads: {calibration_text(CALIBRATED.summary())}")
         best: Best = {}
         lookups = [bench_lookup(root, lookup_calls)]  # before and after the I/O
         for round_no in range(rounds):
@@ -847,6 +861,10 @@ def run(args: argparse.Namespace) -> Report:
             "loadavg_1m": {"start": load_start, "end": os.getloadavg()[0]},
             "cpu_steal_share": steal_share(steal_start, cpu_ticks()),
             "lookup256_us_rounds": [[round(v, 2) for v in pair] for pair in lookups],
+            # the route the calibration chose for every "ours" read case
+            # without a forced tuning (docs/decisions/0063)
+            "read_calibration": CALIBRATED.summary(),
+            "first_reads": CALIBRATED.summary()["first_reads"],
         }
         best = dict(sorted(best.items(), key=lambda item: row_order(item[0])))
         print(results_table(best, total, lookup, ctx.cpu))

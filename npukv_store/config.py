@@ -145,12 +145,17 @@ class StoreConfig:
         ),
     )
     ring_size: int = field(
-        default=parse_size("1GiB"),
+        default=0,
         metadata=_doc(
             "Bytes of the shared-memory staging ring per worker process (per "
             "store handle that saves with put_async), in /dev/shm, which is "
             "RAM. A full ring drops a save and counts it; a save never waits. "
-            "Sizing it: docs/guide/operations.md.",
+            "0 (auto): what two steps stage (max_num_batched_tokens x the "
+            "worker's bytes per token), within [64MiB, 4GiB], or 1GiB outside "
+            "vLLM; where /dev/shm cannot hold that, a smaller ring and one "
+            "warning line saying what to set. A size set here is made as it "
+            "is or refused with one error. `npukv plan` prints the auto size "
+            "(docs/decisions/0062; sizing: docs/guide/operations.md).",
             unit="bytes",
         ),
     )
@@ -285,7 +290,9 @@ class StoreConfig:
         default=parse_size("8GiB"),
         metadata=_doc(
             "Bytes of address space reserved for the LMDB index (sparse; at "
-            "least 1MiB).",
+            "least 1MiB). The index file records the largest any process "
+            "used, and the maintenance job opens it with that (`npukv plan` "
+            "estimates the index's size).",
             unit="bytes",
         ),
     )

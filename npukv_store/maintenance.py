@@ -11,7 +11,9 @@ over).
 Steps, in this order (each also works alone):
     gc       tmp/ files of dead writers, orphan chunk files, files of unpublished
              chunks whose unlink never happened, rows whose file is gone,
-             staging rings of dead processes in /dev/shm, dead save claims
+             staging rings of dead processes in /dev/shm, dead save claims;
+             then the records of sessions that died without closing (an
+             open scans only while one is left: docs/decisions/0059)
     verify   (``--verify``) read every live block and check its checksums; a bad
              chunk moves to quarantine/ and its rows are dropped
     evict    (``--target F``) the oldest chunks, down to F of capacity
@@ -49,7 +51,7 @@ from dataclasses import dataclass, field
 from npukv_store.config import StoreConfig
 from npukv_store.errors import ConfigError, NpuKVError
 from npukv_store.io.ring import stale_rings
-from npukv_store.store import compaction, recovery
+from npukv_store.store import compaction, locks, recovery
 from npukv_store.store.check import chunk_file_problems
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import MARKER, CacheDir
@@ -58,10 +60,12 @@ from npukv_store.store.locks import open_lock_file
 from npukv_store.store.permissions import check_tool_root
 from npukv_store.store.policy import excess_bytes
 from npukv_store.store.publish import Publisher
+from npukv_store.store.sizing import recorded_map_size
 from npukv_store.store.stats import StoreCounters
 
 logger = logging.getLogger("npukv.maintenance")
-#: The index's address space, as every store handle reserves it by default.
+#: The index's address space, as every store handle reserves it by default:
+#: the least maintenance opens it with (store.sizing.recorded_map_size).
 _MAP_SIZE: int = StoreConfig.__dataclass_fields__["index_map_size"].default  # type: ignore[assignment]
 
 
@@ -166,10 +170,13 @@ def run(options: Options, progress: Progress | None = None) -> Summary:
     summary = Summary(dry_run=options.dry_run)
     tick = progress or (lambda step, items: None)
     with maintenance_lock(cdir):
-        with cdir.locked():  # as an opening process: no rebuild runs beside us
-            if options.rebuild_index and not options.dry_run:
-                recovery.rebuild_index(cdir, map_size=_MAP_SIZE, sync=True).close()
-            index = recovery.open_index(cdir, map_size=_MAP_SIZE, sync=True)
+        # the servers' map size, not the default: their headroom (0062)
+        map_size = recorded_map_size(cdir, _MAP_SIZE)
+        # Both take .lock themselves, exclusive only to swap a rebuilt index
+        # in: servers open and serve while a rebuild's batches commit (0059).
+        if options.rebuild_index and not options.dry_run:
+            recovery.rebuild_index(cdir, map_size=map_size, sync=True).close()
+        index = recovery.open_index(cdir, map_size=map_size, sync=True)
         claims = ClaimTable(cdir.claims_path, access=cdir.access)
         try:
             config = _config(cdir, options, index)
@@ -254,6 +261,9 @@ def collect_garbage(
     processes stay: they may be a publish in flight."""
     index = publisher.index
     max_age = publisher.config.tmp_max_age_s
+    # Sessions dead before the scan begins: what they left, it finds, so an
+    # open no longer needs to scan for them (forgotten at the end).
+    dead_sessions = locks.dead_sessions(cdir, index)
     tmp = cdir.garbage_tmp(max_age)
     dead = index.dead_chunks()
     scan = recovery.scan_orphans(cdir, index, max_age)
@@ -283,6 +293,7 @@ def collect_garbage(
     if missing:  # quarantined by a reader killed before its commit, or deleted
         index.remove_chunks(missing)
     recovery.forget_gone_tombstones(cdir, index)
+    index.forget_meta(dead_sessions)
     summary.claims_swept = publisher.claims.sweep()
 
 

@@ -1,5 +1,6 @@
 """Block keys: the keyed chain formula of docs/format.md §4, golden vectors,
-the key's effect, and independence from the process and PYTHONHASHSEED."""
+the key's effect, the ranks' keys derived from one chain, and independence
+from the process and PYTHONHASHSEED."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from npukv_store.hashing import chain_hashes, namespace_fingerprint
+from npukv_store.hashing import (
+    RANK_PERSON,
+    chain_hashes,
+    chain_links,
+    chain_root,
+    namespace_fingerprint,
+    rank_keys,
+)
 from tests.support.blocks import tiny_spec
 
 GOLDEN_NS = b"\x00" * 16
@@ -28,6 +36,12 @@ GOLDEN_EXTRA = [
     "cabff26845a01ca49e50bd5833a20e32",
 ]
 GOLDEN_FINGERPRINT = "2fa4ccb47f21100754101ddf373c09a9"  # format 2
+GOLDEN_RANK_NS = b"\x01" * 16  # a rank whose chain is rooted at GOLDEN_NS
+GOLDEN_RANK = [
+    "a5820596d7f524389c5146538afcbcc5",
+    "9536983af64f45b359f3b93be9b98d6e",
+    "5aeede2606f6cd325d557372140f6a10",
+]
 
 
 def test_golden_vectors():
@@ -36,6 +50,8 @@ def test_golden_vectors():
     extra = chain_hashes([7] * 33, 16, bytes(range(16)), extra=b"lora:1", key=K)
     assert [k.hex() for k in extra] == GOLDEN_EXTRA
     assert namespace_fingerprint(tiny_spec()).hex() == GOLDEN_FINGERPRINT
+    ranked = chain_hashes(list(range(48)), 16, GOLDEN_RANK_NS, key=K, root=GOLDEN_NS)
+    assert [k.hex() for k in ranked] == GOLDEN_RANK
 
 
 def keyed(data: bytes, key: bytes = K) -> bytes:
@@ -51,6 +67,49 @@ def test_formula_matches_design():
         raw = struct.pack("<2i", *tokens[2 * i : 2 * i + 2])
         prev = keyed(prev + raw + b"salt")
         assert chain_hashes(tokens, 2, b"ns", extra=b"salt", key=K)[i] == prev
+
+
+def test_a_rank_key_is_a_keyed_prf_of_the_shared_link():
+    """key = B(K, person="npukv-rank-2", fingerprint || h[i]) off the root;
+    at the root the key is the link itself (format 2's keys unchanged)."""
+    links = chain_links(list(range(48)), 16, b"root", key=K)
+    assert chain_hashes(list(range(48)), 16, b"root", key=K) == links
+    derived = chain_hashes(list(range(48)), 16, b"rank-one", key=K, root=b"root")
+    for link, key in zip(links, derived, strict=True):
+        expected = hashlib.blake2b(
+            b"rank-one" + link, key=K, digest_size=16, person=RANK_PERSON
+        ).digest()
+        assert key == expected
+    assert rank_keys(links, b"root", b"root", key=K) == links
+    assert not set(derived) & set(links)
+
+
+def test_every_rank_of_a_spec_shares_its_rank_0_root():
+    ranks = [tiny_spec(tp_rank=r, tp_size=4) for r in range(4)]
+    assert {chain_root(s) for s in ranks} == {namespace_fingerprint(ranks[0])}
+    assert chain_root(tiny_spec(tp_size=4, extra="x")) != chain_root(ranks[0])
+    mla = tiny_spec(tp_rank=2, tp_size=4, rank_independent=True)
+    assert chain_root(mla) == namespace_fingerprint(mla)
+
+
+@given(
+    st.lists(st.integers(0, 2**31 - 1), max_size=80),
+    st.integers(1, 9),
+    st.binary(min_size=16, max_size=16),
+)
+def test_rank_keys_keep_the_prefix_property_and_continue(tokens, block, rank_ns):
+    """A rank's keys of a prefix are a prefix of its keys, and a chain
+    continued from a link gives the same keys as one computation."""
+    keys = chain_hashes(tokens, block, rank_ns, key=K, root=b"root")
+    cut = (len(tokens) // 2 // block) * block
+    head = chain_hashes(tokens[:cut], block, rank_ns, key=K, root=b"root")
+    assert head == keys[: cut // block]
+    links = chain_links(tokens[:cut], block, b"root", key=K)
+    parent = links[-1] if links else None
+    tail = chain_hashes(
+        tokens[cut:], block, rank_ns, parent=parent, key=K, root=b"root"
+    )
+    assert head + tail == keys
 
 
 def test_the_key_changes_every_key():

@@ -12,6 +12,9 @@ the directory lock that opening processes take. Reference: docs/cli.md.
     rebuild-index DIR    a fresh index from the chunk files
     compact DIR ...      the maintenance job: leftovers, then compaction
     gc DIR ...           the maintenance job's garbage step alone
+    plan CONFIG_JSON     what a model at a TP and capacity takes: blocks,
+                         chunks, index, ring and host memory, prompts reached
+    calibrate DIR        measure the disk's cold reads; pick the first-read route
     bench [NAME ...]     python -m bench NAME ... of a source checkout
 
 Human text by default; ``--json`` (stats, inspect) prints one JSON object.
@@ -40,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from npukv_store import maintenance
-from npukv_store.cli import bench, compact, render, reports
+from npukv_store.cli import bench, compact, plan, render, reports
 from npukv_store.config import StoreConfig, parse_size
 from npukv_store.errors import NpuKVError
-from npukv_store.store import recovery
+from npukv_store.store import calibration, recovery
 from npukv_store.store.check import check_store
 from npukv_store.store.directory import MARKER, CacheDir
 from npukv_store.store.format_checks import parse_header
@@ -81,11 +84,11 @@ def cache_dir(path: str) -> CacheDir:
 
 
 def open_dir(path: str) -> tuple[CacheDir, Index, StoreConfig]:
-    """The directory, its index (recovered under the lock) and a default config."""
+    """The directory, its index (recovered as an open does) and a default config."""
     cdir = cache_dir(path)
     config = StoreConfig(cache_dir=cdir.root)
-    with cdir.locked():
-        index = recovery.open_index(cdir, map_size=config.index_map_size, sync=True)
+    # takes .lock itself (shared; exclusive only to swap a rebuilt index in)
+    index = recovery.open_index(cdir, map_size=config.index_map_size, sync=True)
     return cdir, index, config
 
 
@@ -212,11 +215,11 @@ def fix(cdir: CacheDir, fast: bool) -> list[str]:
 
 
 def cmd_rebuild_index(args: argparse.Namespace) -> int:
-    """Rebuild the index from the chunk files' own metadata, under the lock."""
+    """Rebuild the index from the chunk files' own metadata (decision 0059)."""
     cdir = cache_dir(args.cache_dir)
     config = StoreConfig(cache_dir=cdir.root)
-    with cdir.locked():
-        index = recovery.rebuild_index(cdir, map_size=config.index_map_size, sync=True)
+    # takes .lock itself for the swap; opens serve while its batches commit
+    index = recovery.rebuild_index(cdir, map_size=config.index_map_size, sync=True)
     total, chunks, blocks = index.totals()
     index.close()
     print(
@@ -245,6 +248,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
     dead writers, orphan chunk files, index rows whose file is gone, stale
     staging rings and save claims. Its options follow DIR."""
     return run_maintenance("gc", [args.cache_dir, "--gc-only", *args.rest])
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure the cold reads of the cache directory's disk (buffered and
+    O_DIRECT, queue depth 1 and 16, on a scratch file in tmp/) and keep the
+    result in calibration.json, from which readers pick their first-read route."""
+    cdir = cache_dir(args.cache_dir)
+    found = calibration.measure(cdir, args.sample_mib << 20)
+    calibration.save(cdir, found)
+    report = {"cache_dir": cdir.root, "read_calibration": found.summary()}
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(f"npukv calibrate {render.printable(cdir.root)}: first reads "
+              + render.calibration_text(found.summary()))  # fmt: skip
+    return EXIT_OK
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -323,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
             "rest", nargs=argparse.REMAINDER, metavar="...",
             help="options of npukv_store.maintenance, after DIR",
         )  # fmt: skip
+    plan.add_arguments(command("plan", plan.cmd_plan, directory=False))
+    calibrate = command("calibrate", cmd_calibrate)
+    calibrate.add_argument("--json", action="store_true", help="one JSON object")
+    calibrate.add_argument(
+        "--sample-mib", type=int, default=64, metavar="N",
+        help="size of the scratch file read (default 64)",
+    )  # fmt: skip
     bench_cmd = command("bench", cmd_bench, directory=False)
     bench_cmd.add_argument(
         "name", nargs="?", metavar="NAME",

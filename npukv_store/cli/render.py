@@ -123,6 +123,18 @@ def _tp(entry: Mapping[str, Any]) -> str:
     return f"{entry['tp_rank']}/{entry['tp_size']}"
 
 
+def calibration_text(found: Mapping[str, Any] | None) -> str:
+    """The first-read route and the cold speeds (GB/s) that chose it."""
+    if not found:
+        return "direct (constants: no calibration of this disk; npukv calibrate)"
+    return (
+        f"{found['first_reads']} (calibrated {utc(found['measured_ns'])}: "
+        f"buffered {found['buffered_qd1']:.2f}/{found['buffered_qd16']:.2f}, "
+        f"O_DIRECT {found['direct_qd1']:.2f}/{found['direct_qd16']:.2f} GB/s "
+        "at QD1/QD16)"
+    )
+
+
 def stats_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:
     """``npukv stats``: the totals, then one row per namespace."""
     capacity = report["capacity_bytes"]
@@ -144,6 +156,8 @@ def stats_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:
     ]
     if "claims" in report:
         rows.append(("save claims", f"{report['claims']:,}"))
+    if "read_calibration" in report:
+        rows.append(("first reads", calibration_text(report["read_calibration"])))
     if report.get("quarantine_dir"):
         rows.append(
             (

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from npukv_store.spec import NamespaceSpec
-from npukv_store.store import policy
+from npukv_store.store import calibration, policy
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import META_CREATED_NS, META_CREATOR, ChunkHeader
 from npukv_store.store.index import ChunkRecord, Index
@@ -112,6 +112,9 @@ def stats_report(cdir: CacheDir, index: Index, capacity: int | None) -> dict[str
     claims = claims_held(cdir, index)
     if claims is not None:
         report["claims"] = claims
+    # the disk's read speeds and the first-read route they chose; None: the
+    # constants' route (no calibration for this device)
+    report["read_calibration"] = calibration.as_stats(cdir)
     # Deprecated aliases, kept for one release (scripts/demo_vllm.py and
     # operators' scripts read them): use used_bytes, chunks and blocks.
     report["total_bytes"] = total.bytes

@@ -86,6 +86,15 @@ _skipped_lock = threading.Lock()
 skipped_foreign = 0
 
 
+class RingNoRoom(ConfigError):
+    """The ring directory cannot hold a ring of the size asked for; ``reason``
+    says what creating it met (the error, the bytes free)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 @dataclass(slots=True)
 class Region:
     """A reserved range of the ring's data area: ``[offset, offset + nbytes)``."""
@@ -121,10 +130,12 @@ class StagingRing:
             os.close(fd)
             os.unlink(self.path)
             free = shutil.disk_usage(directory).free
-            raise ConfigError(
+            reason = f"{exc.strerror}; {free} bytes free"
+            raise RingNoRoom(
                 f"ring_size: found {self.size} bytes, but {directory} cannot hold "
-                f"them ({exc.strerror}; {free} bytes free); expected a smaller "
-                "ring_size or a larger /dev/shm"
+                f"them ({reason}); expected a smaller ring_size or a larger "
+                "/dev/shm (docker/podman --shm-size)",
+                reason,
             ) from exc
         os.close(fd)
         _HEADER.pack_into(

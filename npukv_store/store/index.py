@@ -12,8 +12,10 @@ the last committed state and the lock is recovered by the next writer.
     remove_chunks() - unpublish chunks (the caller unlinks their files after)
     touch()         - move chunks to the young end of the LRU
 
-Databases (all keys and values are fixed-layout bytes, see the ``_*_FMT``):
-    keys    16-byte block key -> chunk id u64, row u32   (the block's home)
+Databases (keys and values are fixed-layout bytes, see the ``_*_FMT``):
+    keys    16-byte block key -> chunk id u64, row u32   (the block's home);
+            row 0 of a chunk whose rows are all home: then the keys of its
+            other rows (so a chain's lookup descends once per chunk)
     chunks  chunk id u64 BE   -> ChunkRecord              (one per published chunk)
     lru     last access ns u64 BE + chunk id u64 BE -> '' (eviction order)
     meta    b"schema" -> SCHEMA, b"total_bytes" -> u64    (global capacity ledger),
@@ -32,6 +34,7 @@ import struct
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from itertools import repeat
 
 import lmdb
 
@@ -40,12 +43,14 @@ from npukv_store.store import policy
 from npukv_store.store.envs import open_env, release_env
 from npukv_store.store.permissions import Access
 
-SCHEMA = b"npukv-index-1"
+SCHEMA = b"npukv-index-2"  # 2: row 0 of a whole chunk lists its other keys
 _LOC_FMT = struct.Struct("<QI")  # keys db value: chunk id, row
 _REC_FMT = struct.Struct("<16sQIIQQ")  # ns, size, rows, live rows, last ns, created ns
 _LRU_FMT = struct.Struct(">QQ")  # big-endian so byte order is time order
 _U64 = struct.Struct("<Q")
 _CID = struct.Struct(">Q")
+_KEY = 16  # bytes of a block key
+_HOME = _LOC_FMT.size  # where row 0's list of the other keys starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,16 +134,18 @@ class Index:
         except lmdb.Error as exc:
             raise FormatError(f"{path}: index unreadable ({exc})") from exc
         try:
-            self._keys = self._env.open_db(b"keys")
-            self._chunks = self._env.open_db(b"chunks")
-            self._lru = self._env.open_db(b"lru")
-            self._meta = self._env.open_db(b"meta")
-            self._dead = self._env.open_db(b"dead")
-            with self._env.begin(write=True, db=self._meta) as txn:
-                schema = txn.get(b"schema")
+            # One explicit write txn: open_db without one begins it holding
+            # the GIL, which deadlocks against a thread of ours mid-commit.
+            with self._env.begin(write=True) as txn:
+                self._keys = self._env.open_db(b"keys", txn=txn)
+                self._chunks = self._env.open_db(b"chunks", txn=txn)
+                self._lru = self._env.open_db(b"lru", txn=txn)
+                self._meta = self._env.open_db(b"meta", txn=txn)
+                self._dead = self._env.open_db(b"dead", txn=txn)
+                schema = txn.get(b"schema", db=self._meta)
                 if schema is None:
-                    txn.put(b"schema", SCHEMA)
-                    txn.put(b"total_bytes", _U64.pack(0))
+                    txn.put(b"schema", SCHEMA, db=self._meta)
+                    txn.put(b"total_bytes", _U64.pack(0), db=self._meta)
         except lmdb.Error as exc:
             self.close()
             raise FormatError(f"{path}: index unreadable ({exc})") from exc
@@ -157,29 +164,47 @@ class Index:
     def lookup_prefix(self, keys: Sequence[bytes]) -> int:
         """Length of the longest stored prefix of ``keys``.
 
-        One cursor's ``set_key`` per key, stopping at the first miss: no value
-        is copied out, and the cursor is reused. 256 keys took 84-93 µs
-        against 109-122 µs for a ``txn.get`` loop and 201 µs for
-        ``Cursor.getmulti`` (interleaved rounds, docs/decisions/0001).
+        One cursor ``set_key`` per key looked up, the cursor reused (docs/
+        decisions/0001), and one per chunk for a chain (see :meth:`locate`).
         """
-        count = 0
+        count, i = len(keys), 0
         with self._env.begin(db=self._keys) as txn:
-            found = txn.cursor().set_key
-            for key in keys:
-                if not found(key):
-                    break
-                count += 1
-        return count
+            cursor = txn.cursor()
+            find, value = cursor.set_key, cursor.value
+            while i < count and find(keys[i]):
+                i += 1
+                home = value()
+                if len(home) > _HOME and i < count:
+                    i += _listed_run(home, keys, i)
+        return i
 
     def locate(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
         """``(chunk id, row)`` of each key, or None where it is not stored.
-        One reused cursor (256 keys: 124-126 µs against 195-200 µs for
-        ``Cursor.getmulti``, docs/decisions/0001)."""
-        unpack = _LOC_FMT.unpack
+
+        A chain's keys mostly sit in one chunk after another, row after row,
+        and the keys db value of a chunk's row 0 lists the keys of its other
+        rows when all of them are home there: one B-tree descent then locates
+        a chunk's worth of a chain (docs/decisions/0060).
+        """
+        found: list[tuple[int, int] | None] = []
+        count, i = len(keys), 0
+        unpack_home = _LOC_FMT.unpack_from
         with self._env.begin(db=self._keys) as txn:
             cursor = txn.cursor()
-            found, value = cursor.set_key, cursor.value
-            return [unpack(value()) if found(k) else None for k in keys]
+            find, value = cursor.set_key, cursor.value
+            while i < count:
+                i += 1
+                if not find(keys[i - 1]):
+                    found.append(None)
+                    continue
+                home = value()
+                location = unpack_home(home)
+                found.append(location)
+                if len(home) > _HOME and i < count:
+                    run = _listed_run(home, keys, i)
+                    found.extend(zip(repeat(location[0]), range(1, 1 + run)))
+                    i += run
+        return found
 
     def chunk(self, chunk_id: int) -> ChunkRecord | None:
         """The record of a published chunk, or None."""
@@ -197,7 +222,7 @@ class Index:
         """Every ``(key, chunk id, row)`` (one consistent snapshot)."""
         with self._env.begin(db=self._keys) as txn:
             for key, raw in txn.cursor():
-                chunk_id, row = _LOC_FMT.unpack(raw)
+                chunk_id, row = _LOC_FMT.unpack_from(raw)
                 yield bytes(key), chunk_id, row
 
     def iter_lru(self) -> Iterator[tuple[int, int]]:
@@ -261,24 +286,31 @@ class Index:
             for victim in victims:
                 self._unpublish_in(txn, victim)
                 total -= victim.size_bytes
-            live = 0
-            for row, key in enumerate(record.keys):
-                live += txn.put(
-                    key,
-                    _LOC_FMT.pack(record.chunk_id, row),
-                    overwrite=False,
-                    db=self._keys,
-                )
+            live = self._publish_in(txn, record)
             if live == 0:
                 txn.abort()  # nothing won: evicting for it would be pure loss
                 return CommitResult(0, False, ())
-            rec = replace(record, live_rows=live)
-            txn.put(_CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
-            txn.put(_LRU_FMT.pack(rec.last_access_ns, rec.chunk_id), b"", db=self._lru)
-            txn.put(b"total_bytes", _U64.pack(total + rec.size_bytes), db=self._meta)
+            txn.put(b"total_bytes", _U64.pack(total + record.size_bytes), db=self._meta)
             if capacity_bytes < 1 << 62:  # rebuilds pass "unlimited"
                 txn.put(b"capacity", _U64.pack(capacity_bytes), db=self._meta)
         return CommitResult(live, False, tuple(victims))
+
+    def _publish_in(self, txn: lmdb.Transaction, record: ChunkRecord) -> int:
+        """Give each of ``record``'s keys absent from the index this chunk's
+        row, and publish the record if it won a row; the rows won. Leaves the
+        ledger to the caller (bench/index_fill.py adds many chunks per txn)."""
+        live = 0
+        for row, key in enumerate(record.keys):
+            live += txn.put(
+                key, _LOC_FMT.pack(record.chunk_id, row), overwrite=False, db=self._keys
+            )
+        if live == len(record.keys) > 1:  # all rows home: row 0 lists the others
+            txn.put(record.keys[0], _whole_home(record), db=self._keys)
+        if live:
+            rec = replace(record, live_rows=live)
+            txn.put(_CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
+            txn.put(_LRU_FMT.pack(rec.last_access_ns, rec.chunk_id), b"", db=self._lru)
+        return live
 
     def replace_chunks(
         self,
@@ -302,13 +334,18 @@ class Index:
         """
         with self._env.begin(write=True) as txn:
             live = 0
+            moved: dict[int, int] = {}  # source chunk id -> rows it lost
             for row, (key, source) in enumerate(zip(record.keys, sources, strict=True)):
-                if txn.get(key, db=self._keys) == _LOC_FMT.pack(*source):
+                home = txn.get(key, db=self._keys)
+                if home is not None and home[: _LOC_FMT.size] == _LOC_FMT.pack(*source):
                     txn.put(key, _LOC_FMT.pack(record.chunk_id, row), db=self._keys)
                     live += 1
+                    moved[source[0]] = moved.get(source[0], 0) + 1
             if live == 0:
                 txn.abort()
                 return 0, []
+            if live == len(record.keys) > 1:
+                txn.put(record.keys[0], _whole_home(record), db=self._keys)
             total = _total(txn, self._meta)
             removed, last = [], record.last_access_ns
             for chunk_id in old_ids:
@@ -320,6 +357,20 @@ class Index:
                 total -= old.size_bytes
                 last = max(last, old.last_access_ns)
                 removed.append(old)
+            # A source left published is no longer whole: its row 0 must stop
+            # vouching for rows moved away (lookups trust it), and its live
+            # count must stay true.
+            for chunk_id, lost in moved.items():
+                raw = txn.get(_CID.pack(chunk_id), db=self._chunks)
+                if raw is not None:
+                    old = ChunkRecord.unpack(chunk_id, raw)
+                    left = replace(old, live_rows=old.live_rows - lost)
+                    txn.put(_CID.pack(chunk_id), left.pack(), db=self._chunks)
+                    home = txn.get(old.keys[0], db=self._keys)
+                    if home is not None and home[: _LOC_FMT.size] == _LOC_FMT.pack(
+                        chunk_id, 0
+                    ):
+                        txn.put(old.keys[0], _LOC_FMT.pack(chunk_id, 0), db=self._keys)
             if record.size_bytes > sum(old.size_bytes for old in removed):
                 # Sources evicted since the plan left their rows in the new
                 # chunk as dead space: publishing it would grow the ledger,
@@ -437,14 +488,99 @@ class Index:
         return None if victims is None else [records[cid] for cid in victims]
 
     def _unpublish_in(self, txn: lmdb.Transaction, record: ChunkRecord) -> None:
+        cursor = txn.cursor(db=self._keys)  # one descent per key, not two
         for row, key in enumerate(record.keys):
-            if txn.get(key, db=self._keys) == _LOC_FMT.pack(record.chunk_id, row):
-                txn.delete(key, db=self._keys)  # only rows this chunk is home of
+            home = _LOC_FMT.pack(record.chunk_id, row)
+            if cursor.set_key(key) and cursor.value()[: _LOC_FMT.size] == home:
+                cursor.delete()  # only rows this chunk is home of
         txn.delete(_LRU_FMT.pack(record.last_access_ns, record.chunk_id), db=self._lru)
         txn.delete(_CID.pack(record.chunk_id), db=self._chunks)
         # The file outlives this commit until its unlink; if the unlinker dies in
         # between, the tombstone tells recovery the file is dead, not in flight.
         txn.put(_CID.pack(record.chunk_id), record.namespace, db=self._dead)
+
+    # -- recovery's records: sessions, the rebuild mark (docs/decisions/0059) --
+
+    def meta_records(self, prefix: bytes) -> dict[bytes, bytes]:
+        """The meta records whose key starts with ``prefix``."""
+        found: dict[bytes, bytes] = {}
+        with self._env.begin(db=self._meta) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(prefix):
+                for key, value in cursor:
+                    if not bytes(key).startswith(prefix):
+                        break
+                    found[bytes(key)] = bytes(value)
+        return found
+
+    def add_meta(self, key: bytes, value: bytes, *, overwrite: bool = False) -> bool:
+        """Write a meta record (only where absent unless ``overwrite``), then
+        sync even an unsynced index: recovery's records must outlive a power
+        cut. False when the record was there and not overwritten."""
+        with self._env.begin(write=True, db=self._meta) as txn:
+            added = bool(txn.put(key, value, overwrite=overwrite))
+        self._env.sync(True)
+        return added
+
+    def forget_meta(self, expected: dict[bytes, bytes]) -> None:
+        """Delete each meta record that still holds its ``expected`` value."""
+        with self._env.begin(write=True, db=self._meta) as txn:
+            for key, value in expected.items():
+                if txn.get(key) == value:
+                    txn.delete(key)
+
+    def chunk_ids_unless(self, mark: bytes) -> set[int] | None:
+        """Every published chunk id (keys only, no record decoded), or None
+        when meta record ``mark`` exists, in one snapshot."""
+        with self._env.begin() as txn:
+            if txn.get(mark, db=self._meta) is not None:
+                return None
+            ids = txn.cursor(db=self._chunks).iternext(keys=True, values=False)
+            return {_CID.unpack(raw)[0] for raw in ids}
+
+    def commit_rebuilt(self, records: Sequence[ChunkRecord]) -> int:
+        """A rebuild's commit: many chunks in one transaction, first commit
+        wins, no eviction; a chunk already published or tombstoned (evicted
+        since the rebuild read its file) is skipped. Returns chunks published."""
+        published = 0
+        with self._env.begin(write=True) as txn:
+            total = _total(txn, self._meta)
+            for record in records:
+                cid = _CID.pack(record.chunk_id)
+                if txn.get(cid, db=self._chunks) or txn.get(cid, db=self._dead):
+                    continue
+                if self._publish_in(txn, record):
+                    total += record.size_bytes
+                    published += 1
+            txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
+        return published
+
+
+def _whole_home(record: ChunkRecord) -> bytes:
+    """Row 0's keys db value in a chunk whose rows are all home: its home,
+    then the keys of its other rows."""
+    return _LOC_FMT.pack(record.chunk_id, 0) + b"".join(record.keys[1:])
+
+
+def _listed_run(home: bytes, keys: Sequence[bytes], start: int) -> int:
+    """How many keys from ``keys[start]`` on are the next rows of the whole
+    chunk whose row 0's keys db value is ``home`` (that value lists them)."""
+    others = home[_HOME:]
+    wanted = keys[start : start + len(others) // _KEY]
+    joined = b"".join(wanted)
+    # 16 bytes a key on average, and none shorter: every key is 16 bytes
+    if (
+        others.startswith(joined)
+        and len(joined) == _KEY * len(wanted)
+        and min(map(len, wanted)) == _KEY
+    ):
+        return len(wanted)
+    same = 0  # some key differs: count those before it
+    for at, key in zip(range(0, len(others), _KEY), wanted, strict=False):
+        if others[at : at + _KEY] != key:
+            break
+        same += 1
+    return same
 
 
 def _total(txn: lmdb.Transaction, meta: lmdb._Database) -> int:

@@ -9,6 +9,20 @@ Runs in: any process opening a store (``.lock``) and the maintenance job.
                       naming the holder
     lock_holder()   - the pid(s) /proc/locks names for a file, else what the
                       holder wrote into it
+    shared_lock()   - the directory lock (``.lock``) taken shared: opens of an
+                      index that needs no rebuild run side by side
+    begin_session() - a handle's sign of life; says whether a process died
+                      without closing (what decides an open's garbage scan)
+    lock_byte() / byte_locked() - one byte of ``.lock`` held as a process's
+                      sign of life (a session, a rebuild): the kernel drops
+                      it when the process dies, whatever its pid becomes
+
+Why byte locks for liveness, not pids: a pid is reused, differs in another
+pid namespace, and says nothing after a reboot; an open-file-description
+(OFD) lock is held exactly as long as the process (or a fork of it that kept
+the descriptor) lives. flock() on ``.lock`` and these fcntl() byte locks do
+not interact on a local Linux file system (on NFS flock is emulated with
+byte locks; LMDB does not work there either).
 
 Why a bound: any process that can open the lock file can take the lock and
 keep it; without a bound every server start and every ``npukv`` command
@@ -19,13 +33,24 @@ would then hang for good (with no line saying why). The lock files are 0600
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import logging
 import os
+import socket
 import stat
+import struct
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from npukv_store.errors import ConfigError
 from npukv_store.store.dirfd import DirFD, check_entry
+
+if TYPE_CHECKING:
+    from npukv_store.store.index import Index
+
+logger = logging.getLogger(__name__)
 
 
 def open_lock_file(cache: DirFD, name: str) -> int:
@@ -51,8 +76,72 @@ def open_lock_file(cache: DirFD, name: str) -> int:
     return fd
 
 
-def wait_for_lock(fd: int, path: str, timeout_s: float) -> None:
-    """Take an exclusive flock on ``fd`` within ``timeout_s``.
+#: Offsets of the bytes of ``.lock`` that processes hold as signs of life,
+#: far past the pid@host text :meth:`CacheDir.locked` writes at offset 0.
+REBUILD_BYTES = 1 << 40  # a rebuild's: REBUILD_BYTES + n, n < MAX_SLOTS
+SESSION_BYTES = REBUILD_BYTES + (1 << 20)  # a session's: SESSION_BYTES + slot
+MAX_SLOTS = 1 << 20
+#: Index meta records of open sessions: session/<slot u32 BE> -> "pid@host ns"
+SESSION_PREFIX = b"session/"
+_SLOT = struct.Struct(">I")
+
+
+class _Flock(ctypes.Structure):
+    """``struct flock`` as the C library lays it out (padding included)."""
+
+    _fields_ = [
+        ("l_type", ctypes.c_short),
+        ("l_whence", ctypes.c_short),
+        ("l_start", ctypes.c_int64),
+        ("l_len", ctypes.c_int64),
+        ("l_pid", ctypes.c_int),
+    ]
+
+
+def _byte_fcntl(fd: int, command: int, kind: int, offset: int) -> _Flock:
+    request = _Flock(kind, os.SEEK_SET, offset, 1, 0)  # OFD locks need pid 0
+    return _Flock.from_buffer_copy(fcntl.fcntl(fd, command, bytes(request)))
+
+
+def lock_byte(fd: int, offset: int) -> bool:
+    """Hold byte ``offset`` of ``fd``'s file for this open file description;
+    False (at once) if another description holds it."""
+    try:
+        _byte_fcntl(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, offset)
+    except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: held
+        return False
+    return True
+
+
+def byte_locked(fd: int, offset: int) -> bool:
+    """Whether a description other than ``fd``'s holds byte ``offset``: its
+    holder is alive (a description ``fd`` shares is never "other")."""
+    found = _byte_fcntl(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK, offset)
+    return bool(found.l_type != fcntl.F_UNLCK)
+
+
+@contextlib.contextmanager
+def shared_lock(cache: DirFD, timeout_s: float) -> Iterator[int]:
+    """Hold ``.lock`` shared (yields its descriptor): many opening processes
+    at once, none while a process holds it exclusive (``CacheDir.locked``,
+    to swap a rebuilt index in).
+
+    Raises:
+        ConfigError: held exclusive for ``timeout_s``, naming the holder.
+        UnsafeEntry: ``.lock`` is a symlink or not ours.
+    """
+    fd = open_lock_file(cache, ".lock")
+    try:
+        wait_for_lock(fd, cache.full(".lock"), timeout_s, shared=True)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def wait_for_lock(
+    fd: int, path: str, timeout_s: float, *, shared: bool = False
+) -> None:
+    """Take an exclusive (or ``shared``) flock on ``fd`` within ``timeout_s``.
 
     Polled with LOCK_NB rather than a blocking flock interrupted by SIGALRM:
     a signal handler is process-wide and only the main thread may set one,
@@ -67,7 +156,9 @@ def wait_for_lock(fd: int, path: str, timeout_s: float) -> None:
     pause = 0.001
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(
+                fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
+            )
             return
         except BlockingIOError:
             if time.monotonic() >= deadline:
@@ -101,3 +192,82 @@ def lock_holder(fd: int) -> str:
         return "pid " + ", ".join(sorted(set(pids), key=int))
     written = os.pread(fd, 64, 0).decode(errors="replace").strip()
     return f"pid@host {written!r}" if written else "another process"
+
+
+class Session:
+    """A handle's sign of life: record ``session/<slot>`` in the index, and
+    byte ``SESSION_BYTES + slot`` of ``.lock`` held through ``fd`` while the
+    handle is open. A record whose byte nobody holds belongs to a process
+    that died without closing: it may have left garbage.
+
+    Attributes:
+        dead: the records of dead sessions this one found (and forgot, after
+            registering itself: if this process dies before it has scanned,
+            its own record says so to the next).
+    """
+
+    def __init__(self, index: Index, fd: int, key: bytes, value: bytes) -> None:
+        self.index, self.fd, self.key, self.value = index, fd, key, value
+        self.dead: dict[bytes, bytes] = {}
+
+    def end(self) -> None:
+        """A clean close: the record goes first, then the byte."""
+        try:
+            self.index.forget_meta({self.key: self.value})
+        finally:
+            os.close(self.fd)
+
+    def drop_after_fork(self) -> None:
+        """In a fork's child: close the inherited descriptor only. Unlocking
+        through it would release the parent's byte (they share it)."""
+        os.close(self.fd)
+
+
+def begin_session(cdir: DirFD, index: Index) -> Session:
+    """Register a handle as open (one synced meta write, a few byte locks:
+    the same cost at 10^3 chunks as at 10^7); ``dead`` says whether a scan
+    for garbage is due."""
+    fd = open_lock_file(cdir, ".lock")
+    try:
+        records = index.meta_records(SESSION_PREFIX)
+        dead = {k: v for k, v in records.items() if not _session_alive(fd, k)}
+        value = f"{os.getpid()}@{socket.gethostname()} {time.time_ns()}".encode()
+        for slot in range(MAX_SLOTS):
+            key = SESSION_PREFIX + _SLOT.pack(slot)
+            if key in records or not lock_byte(fd, SESSION_BYTES + slot):
+                continue
+            if index.add_meta(key, value):
+                break
+            # A record appeared since we read them, and its byte was free:
+            # a session that died meanwhile. Ours to scan for.
+            dead.update(index.meta_records(key))
+        else:
+            raise OSError(f"{cdir.full('.lock')}: no free session slot")
+        session = Session(index, fd, key, value)
+    except BaseException:
+        os.close(fd)
+        raise
+    if dead:
+        logger.info("%d process(es) left %s without closing", len(dead), cdir.root)
+        index.forget_meta(dead)
+    session.dead = dead
+    return session
+
+
+def dead_sessions(cdir: DirFD, index: Index) -> dict[bytes, bytes]:
+    """The session records whose process is gone (the maintenance job
+    forgets them after its scan)."""
+    fd = open_lock_file(cdir, ".lock")
+    try:
+        records = index.meta_records(SESSION_PREFIX)
+        return {k: v for k, v in records.items() if not _session_alive(fd, k)}
+    finally:
+        os.close(fd)
+
+
+def _session_alive(fd: int, key: bytes) -> bool:
+    raw = key[len(SESSION_PREFIX) :]
+    if len(raw) != _SLOT.size:
+        return False  # not a record we write: forgotten with the dead
+    slot = _SLOT.unpack(raw)[0]
+    return slot < MAX_SLOTS and byte_locked(fd, SESSION_BYTES + slot)

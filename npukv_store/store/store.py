@@ -31,7 +31,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from npukv_store.config import StoreConfig
-from npukv_store.hashing import chain_hashes, namespace_fingerprint
+from npukv_store.hashing import chain_hashes, chain_root, namespace_fingerprint
+from npukv_store.io.ring_sizing import RingRequest
 from npukv_store.io.writer import Event
 from npukv_store.keying import KeyDomain
 from npukv_store.spec import NamespaceSpec
@@ -40,6 +41,7 @@ from npukv_store.store.arrays import input_rows, merge_reads
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.index import ChunkRecord
+from npukv_store.store.locks import begin_session
 from npukv_store.store.page_cache import PageCache
 from npukv_store.store.publish import Publisher
 from npukv_store.store.read.plan import ChunkReadPlan, ReadTuning
@@ -115,13 +117,19 @@ class KVStore:
                 remote_secret_file=self.config.remote_secret_file,
                 remote_insecure=self.config.remote_insecure,
             )
-        with self.dir.locked():
-            self.index = recovery.open_index(
-                self.dir, map_size=self.config.index_map_size, sync=self._sync
-            )
+        # No step here grows with the store (docs/decisions/0059): the index
+        # opens under .lock shared, a session record says we are open, and
+        # the directory is scanned for garbage only when a session's process
+        # died without closing, or a rebuild ran (the scan is then ours
+        # alone, outside any lock: other processes open meanwhile).
+        self.index, rebuilt = recovery.open_index_reporting(
+            self.dir, map_size=self.config.index_map_size, sync=self._sync
+        )
+        self._session = begin_session(self.dir, self.index)
+        self.dir.ensure_namespace(self.namespace, self.spec.canonical_json())
+        self.claims = ClaimTable(self.dir.claims_path, access=self.dir.access)
+        if rebuilt or self._session.dead:
             recovery.remove_garbage(self.dir, self.index, self.config.tmp_max_age_s)
-            self.dir.ensure_namespace(self.namespace, self.spec.canonical_json())
-            self.claims = ClaimTable(self.dir.claims_path, access=self.dir.access)
         self.publisher = Publisher(
             self.dir, self.index, self.claims, self.config, self.counters
         )
@@ -132,6 +140,7 @@ class KVStore:
 
     def _check_fork(self) -> None:
         if os.getpid() != self._pid:  # LMDB handles must not cross fork()
+            self._session.drop_after_fork()  # the parent's session stays its own
             self._reader.clear()
             self.touches.reset_after_fork()
             self._async = None  # the parent's ring and writer thread stay its own
@@ -151,11 +160,12 @@ class KVStore:
     def keys_for(
         self, tokens: Sequence[int] | np.ndarray, extra: bytes = b""
     ) -> list[bytes]:
-        """Block keys of ``tokens`` in this namespace (full blocks only)."""
+        """Block keys of ``tokens`` in this namespace (full blocks only), on
+        the chain its TP rank 0 shares (:func:`~npukv_store.hashing.chain_root`)."""
         assert self.key_domain is not None  # set by _open
         return chain_hashes(
             tokens, self.spec.block_size, self.fingerprint, extra,
-            key=self.key_domain.chain_key,
+            key=self.key_domain.chain_key, root=chain_root(self.spec),
         )  # fmt: skip
 
     # -- put ------------------------------------------------------------------
@@ -349,24 +359,26 @@ class KVStore:
             return self._parent.flush(timeout_s)
         return self._async is None or self._async.flush(timeout_s)
 
-    def prepare_async(self) -> None:
+    def prepare_async(self, ring_request: RingRequest | None = None) -> None:
         """Create the staging ring and start the writer now (idempotent).
 
         put_async does it on first use, but creating and pre-faulting the ring
         costs time (about 0.6 s per GiB on vm, the 2-core development VM): a
         serving process calls this at start-up so no forward pass pays for it.
+        ``ring_request`` sizes an auto ring (``ring_size: 0``): what the saves
+        need (the connector's, from its step; io.ring_sizing).
 
         Raises:
             ConfigError: ``ring_size`` does not fit in /dev/shm.
         """
-        self._saver()
+        self._saver(ring_request)
 
-    def _saver(self) -> AsyncSaver:
+    def _saver(self, ring_request: RingRequest | None = None) -> AsyncSaver:
         if self._parent is not None:
-            return self._parent._saver()
+            return self._parent._saver(ring_request)
         with self._lock:
             if self._async is None:
-                self._async = AsyncSaver(self.config)
+                self._async = AsyncSaver(self.config, ring_request=ring_request)
             return self._async
 
     def _drop_unclaimed(self, count: int, exc: OSError) -> None:
@@ -522,6 +534,7 @@ class KVStore:
             self.publisher.forget_unlinked()
             self._reader.close()
             self.claims.close()
+            self._session.end()  # a clean close: no scan for our sake
             self.index.close()
             self.dir.close()  # the root's descriptor (reopened if used again)
 

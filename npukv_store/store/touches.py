@@ -37,13 +37,15 @@ class TouchRecorder:
         self._index = index
         self._lock = threading.Lock()
         self._chunk_ids: set[bytes] = set()  # 8-byte little-endian chunk ids
-        self._keys: set[bytes] = set()
+        # insertion-ordered: a lookup's chain stays in order, and
+        # Index.locate reads a chain a chunk at a time (docs/decisions/0060)
+        self._keys: dict[bytes, None] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def note_keys(self, keys: Sequence[bytes]) -> None:
         with self._lock:
-            self._keys.update(keys)
+            self._keys.update(dict.fromkeys(keys))
         self._ensure_thread()
 
     def note_chunk(self, chunk_id: int) -> None:
@@ -67,7 +69,7 @@ class TouchRecorder:
         """Pending chunk ids (the lookups' keys resolved now); clears them."""
         with self._lock:
             chunk_ids, self._chunk_ids = self._chunk_ids, set()
-            keys, self._keys = list(self._keys), set()
+            keys, self._keys = list(self._keys), {}
         for location in self._index().locate(keys) if keys else ():
             if location is not None:
                 chunk_ids.add(location[0].to_bytes(8, "little"))

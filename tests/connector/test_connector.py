@@ -44,8 +44,10 @@ def test_tp_hit_needs_every_rank(tmp_path):
     assert side.match(request, 0) == 0
     keys = side._keys(side._state(request), 5)
     put_blocks(cfg, side.engine.specs[0][0], keys[0][0])  # rank 0's parts only
-    assert side.match(request, 0) == 0
+    # a new request each time: a retry of one reuses its first answer
+    assert side.match(make_request("r", tokens), 0) == 0
     put_blocks(cfg, side.engine.specs[1][0], keys[1][0][:3])  # rank 1 has 3
+    request = make_request("r", tokens)
     assert side.match(request, 0) == 3 * BLOCK
     assert side.match(request, BLOCK) == 2 * BLOCK  # beyond the local hit
     side.close()

@@ -230,6 +230,18 @@ def _dead_pid() -> int:
     return int(faults.run_child("import os; print(os.getpid())").stdout)
 
 
+def _died_with_store_open(cfg) -> int:
+    """A process that opened the store and died without closing it: what a
+    killed writer is, and what makes the next open scan (decision 0059)."""
+    code = (
+        "import os; from npukv_store import KVStore, StoreConfig; "
+        "from tests.support.faults import SMALL; "
+        f"KVStore(StoreConfig(cache_dir={cfg.cache_dir!r}), SMALL); "
+        "print(os.getpid(), flush=True); os._exit(0)"
+    )
+    return int(faults.run_child(code).stdout)
+
+
 @pytest.mark.fault("tmp-file-of-dead-pid")
 def test_tmp_files_of_dead_and_live_pids(fault, tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -240,7 +252,7 @@ def test_tmp_files_of_dead_and_live_pids(fault, tmp_path):
             with KVStore(cfg, SMALL) as store:
                 store.put(keys, block_tensors(SMALL, keys))
             tmp = os.path.join(cfg.cache_dir, "tmp")
-            dead = os.path.join(tmp, f"{_dead_pid()}-{trial:016x}.tmp")
+            dead = os.path.join(tmp, f"{_died_with_store_open(cfg)}-{trial:016x}.tmp")
             live = os.path.join(tmp, f"{sleeper.pid}-{trial:016x}.tmp")
             for path in (dead, live):
                 with open(path, "wb") as handle:
@@ -256,9 +268,10 @@ def test_tmp_files_of_dead_and_live_pids(fault, tmp_path):
 
 ORPHAN_WRITER = """
 cfg = config(root)
-with KVStore(cfg, BIG) as store:
-    path = faults.put_chunk(store, keys_for(tag, faults.BLOCKS))
+store = KVStore(cfg, BIG)
+path = faults.put_chunk(store, keys_for(tag, faults.BLOCKS))
 report(path=path)
+os._exit(0)  # with the store open: the next open scans (decision 0059)
 """
 
 

@@ -155,11 +155,19 @@ def test_index_rebuilt_when_missing_or_garbled(tmp_path, spec):
 
 
 def test_crash_leftovers_removed_on_open(tmp_path, spec):
+    """A process that opened the store and died without closing (its session
+    record stays): the next open scans, and removes what it left."""
     config = StoreConfig(cache_dir=str(tmp_path / "c"))
     with KVStore(config, spec) as store:
         put_prompt(store, range(64))
         chunks = tmp_path / "c" / store.namespace / "chunks"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+    opens_and_dies = (
+        "import os, sys; from npukv_store import KVStore, StoreConfig; "
+        "from tests.support.blocks import tiny_spec; "
+        f"KVStore(StoreConfig(cache_dir={config.cache_dir!r}), tiny_spec()); "
+        "print(os.getpid(), flush=True); os._exit(0)"
+    )
+    dead = subprocess.run([sys.executable, "-c", opens_and_dies],
                           capture_output=True, text=True, check=True)  # fmt: skip
     dead_pid = int(dead.stdout)
     garbage = tmp_path / "c" / "tmp" / f"{dead_pid}-00ff.tmp"

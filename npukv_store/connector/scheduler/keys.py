@@ -3,34 +3,51 @@
 Runs in: the EngineCore process, on the scheduler's thread.
 
     RequestState - one request's state between the scheduler's hooks
-    KeyChains    - each namespace's key chain of a request's full blocks,
-                   extended as the request grows
+    KeyChains    - a request's chain per KV cache group, extended as the
+                   request grows, and each namespace's keys derived from it
+                   where they are needed
     transfer()   - some blocks of one KV cache group of a request, with every
                    rank's keys: a load or a save of the step's metadata
 
-Keys are our own xxh3 chains (npukv_store.hashing), one chain per namespace:
-per TP rank and KV cache group. Besides the tokens, a block's key covers what
-changes its KV as vLLM's prefix cache sees it (LoRA, multimodal inputs, cache
-salt, prompt embeddings).
+Keys are our own keyed chains (npukv_store.hashing): one chain per KV cache
+group, rooted at its TP rank 0's namespace, whose links are rank 0's keys; the
+other ranks' keys are derived from the links (docs/decisions/0061), so the
+tokens are hashed once per group whatever the TP size. Besides the tokens, a
+block's key covers what changes its KV as vLLM's prefix cache sees it (LoRA,
+multimodal inputs, cache salt, prompt embeddings).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from npukv_store.connector.metadata import BlockTransfer, pack_keys
 from npukv_store.connector.scheduler.load_policy import Decision
 from npukv_store.connector.vllm_api import lora_identity
-from npukv_store.hashing import chain_hashes
+from npukv_store.hashing import chain_links, rank_keys
 
 Keys = list[list[list[bytes]]]  # [rank][group] -> one key per full block
+
+
+@dataclass(frozen=True, slots=True)
+class StoredPrefix:
+    """What a lookup found for a request of ``max_blocks`` full blocks,
+    reused by the scheduler's later calls for the same request (retries)."""
+
+    max_blocks: int
+    local_end: int  # every full-attention namespace stores [0, local_end)
+    full_end: int  # with the remote tier's part
+    local: int = -1  # the local hit the sliding-window part was found for
+    found: int = 0  # the hit's end for that local hit
 
 
 @dataclass(slots=True)
 class RequestState:
     request: Any
-    keys: Keys
+    links: list[list[bytes]]  # [group] -> the chain of its full blocks
+    keys: Keys  # [rank][group] -> keys derived so far (the links at the root)
     next_mm_index: int = 0
     local_tokens: int = 0  # the block-aligned local hit passed to match()
     found_blocks: int = 0  # end of the stored prefix match() found
@@ -42,46 +59,97 @@ class RequestState:
     saved_any: bool = False
     counted: bool = False  # its lookup is in the stats
     extras: list[bytes] = field(default_factory=list)
+    stored: StoredPrefix | None = None  # the first lookup's answer
+    cached_head: tuple[int, int, int] | None = None  # (local, found, blocks)
 
 
 class KeyChains:
-    """The key chains of an engine's namespaces: ``fingerprints[rank][group]``
-    seeds each chain of ``block_size``-token blocks, keyed with ``chain_key``
-    (the store's key domain, npukv_store.keying; set once the store is open)."""
+    """The key chains of an engine's namespaces: ``roots[group]`` seeds each
+    group's chain of ``block_size``-token blocks, keyed with ``chain_key``
+    (the store's key domain, npukv_store.keying; set once the store is open);
+    ``fingerprints[rank][group]`` names each namespace."""
 
     def __init__(
         self,
         block_size: int,
         fingerprints: list[list[bytes]],
+        roots: list[bytes],
         chain_key: bytes | None = None,
     ) -> None:
         self.block_size = block_size
         self.fingerprints = fingerprints
+        self.roots = roots
         self.chain_key = chain_key
 
+    def is_root(self, rank: int, group: int) -> bool:
+        """Whether the namespace's keys are its group's chain links."""
+        return self.fingerprints[rank][group] == self.roots[group]
+
     def new_state(self, request: Any) -> RequestState:
-        """A request's state, with an empty chain per namespace."""
-        return RequestState(request, [[[] for _ in rank] for rank in self.fingerprints])
+        """A request's state, with empty chains."""
+        links: list[list[bytes]] = [[] for _ in self.roots]
+        keys = [
+            [links[g] if self.is_root(r, g) else [] for g in range(len(self.roots))]
+            for r in range(len(self.fingerprints))
+        ]
+        return RequestState(request, links, keys)
+
+    def links(self, state: RequestState, num_blocks: int) -> list[list[bytes]]:
+        """Each group's chain, extended to at least ``num_blocks`` blocks
+        (the lists themselves: slice them)."""
+        have = len(state.links[0])
+        if num_blocks > have:
+            bs = self.block_size
+            tokens = list(state.request.all_token_ids[have * bs : num_blocks * bs])
+            extra = self._extras(state, have, num_blocks)
+            for chain, root in zip(state.links, self.roots, strict=True):
+                parent = chain[-1] if chain else None
+                chain += chain_links(
+                    tokens, bs, root, extra, parent, key=self._chain_key()
+                )
+        return state.links
+
+    def rank_keys(
+        self, state: RequestState, rank: int, group: int, start: int, stop: int
+    ) -> list[bytes]:
+        """The namespace's keys of blocks ``[start, stop)`` (the chain must
+        reach ``stop``). Derived keys are kept where they continue the kept
+        prefix; keys far beyond it are derived and not kept."""
+        kept = state.keys[rank][group]
+        links = state.links[group]
+        if stop <= len(kept) or self.is_root(rank, group):
+            return kept[start:stop]
+        derive = self._derive(rank, group)
+        if start <= len(kept):
+            kept += derive(links[len(kept) : stop])
+            return kept[start:stop]
+        return derive(links[start:stop])
+
+    def key_at(self, state: RequestState, rank: int, group: int, i: int) -> bytes:
+        kept = state.keys[rank][group]
+        if i < len(kept):
+            return kept[i]
+        return self._derive(rank, group)(state.links[group][i : i + 1])[0]
 
     def keys(self, state: RequestState, num_blocks: int) -> Keys:
         """Each namespace's keys of the first ``num_blocks`` full blocks."""
-        have = len(state.keys[0][0])
-        if num_blocks > have:
-            bs = self.block_size
-            request = state.request
-            tokens = list(request.all_token_ids[have * bs : num_blocks * bs])
-            extra = self._extras(state, have, num_blocks)
-            chain_key = self.chain_key
-            assert chain_key is not None, "KeyChains used before the store opened"
-            for rank_keys, rank_prints in zip(
-                state.keys, self.fingerprints, strict=True
-            ):
-                for chain, fingerprint in zip(rank_keys, rank_prints, strict=True):
-                    parent = chain[-1] if chain else None
-                    chain += chain_hashes(
-                        tokens, bs, fingerprint, extra, parent=parent, key=chain_key
-                    )
-        return [[chain[:num_blocks] for chain in rank] for rank in state.keys]
+        self.links(state, num_blocks)
+        return [
+            [
+                self.rank_keys(state, rank, group, 0, num_blocks)
+                for group in range(len(self.roots))
+            ]
+            for rank in range(len(self.fingerprints))
+        ]
+
+    def _chain_key(self) -> bytes:
+        assert self.chain_key is not None, "KeyChains used before the store opened"
+        return self.chain_key
+
+    def _derive(self, rank: int, group: int) -> Callable[[list[bytes]], list[bytes]]:
+        fingerprint, root = self.fingerprints[rank][group], self.roots[group]
+        key = self._chain_key()
+        return lambda links: rank_keys(links, fingerprint, root, key=key)
 
     def _extras(self, state: RequestState, start: int, stop: int) -> list[bytes]:
         """Per block: what besides the tokens changes its KV (LoRA, multimodal

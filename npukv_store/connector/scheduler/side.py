@@ -10,13 +10,14 @@ Runs in: the EngineCore process (one per engine), on the scheduler's thread.
     finished()      - hold the request's blocks until the workers report its
                       saves' copies done
 
-The key chains live in :mod:`.keys`, the hit search in :mod:`.hits`, a
-step's saves in :mod:`.save_plan`, the choice to load or recompute in
-:mod:`.load_policy`. A block is a hit only when every rank's part is stored;
-on a hybrid model a hit must also find, in every sliding-window group, the
-blocks its window needs (:mod:`npukv_store.connector.groups`). Hybrid models load
-asynchronously: vLLM can take back a failed load of several KV cache groups
-only per request (failed_recving), not per block. Everything here is best
+The key chains live in :mod:`.keys`, the hit search in :mod:`.hits` (its
+lookups in :mod:`.lookups`), a step's saves in :mod:`.save_plan`, the choice
+to load or recompute in :mod:`.load_policy`. A block is a hit only when every
+rank's part is stored; on a hybrid model a hit must also find, in every
+sliding-window group, the blocks its window needs
+(:mod:`npukv_store.connector.groups`). Hybrid models load asynchronously:
+vLLM can take back a failed load of several KV cache groups only per request
+(failed_recving), not per block. Everything here is best
 effort: an exception is logged once and reads as "no hit" / "no save".
 """
 
@@ -50,7 +51,7 @@ from npukv_store.connector.vllm_api import (
     ManagerBlockIds,
 )
 from npukv_store.errors import UnsupportedSetup
-from npukv_store.hashing import namespace_fingerprint
+from npukv_store.hashing import chain_root, namespace_fingerprint
 from npukv_store.remote.tier import MooncakeTier, open_tier, release_tier
 from npukv_store.store.store import KVStore
 
@@ -93,7 +94,9 @@ class SchedulerSide:
             [namespace_fingerprint(spec) for spec in rank] for rank in self.engine.specs
         ]
         self.block_size = self.engine.block_size
-        self.chains = KeyChains(self.block_size, self.fingerprints)
+        # one chain per group, rooted at its rank 0 (docs/decisions/0061)
+        roots = [chain_root(spec) for spec in self.engine.specs[0]]
+        self.chains = KeyChains(self.block_size, self.fingerprints, roots)
         self.save_plan = SavePlan(
             self.engine.groups, self.block_size, settings, self.chains
         )
@@ -170,9 +173,8 @@ class SchedulerSide:
         assert self.engine is not None
         assert self.store is not None
         return find_hit(
-            state, self._keys(state, max_blocks), local, max_blocks,
+            state, self.chains, local, max_blocks,
             store=self.store, remote=self.remote, groups=self.engine.groups,
-            fingerprints=self.fingerprints, block_size=self.block_size,
         )  # fmt: skip
 
     # -- vLLM's scheduler hooks ---------------------------------------------------
@@ -214,11 +216,15 @@ class SchedulerSide:
         cached_head = None
         full = [g for g in self.engine.groups if g.kind == "full"]
         if len(full) == len(self.engine.groups):
-            chain = state.keys[0][full[0].index]
+            chain = state.links[full[0].index]  # rank 0's keys
 
-            def cached_head() -> int:
+            def cached_head() -> int:  # a retry asks no lookup again
                 assert self.store is not None
-                return self.store.cached_prefix(chain[local:found])
+                head = state.cached_head
+                if head is None or head[:2] != (local, found):
+                    blocks = self.store.cached_prefix(chain[local:found])
+                    head = state.cached_head = (local, found, blocks)
+                return head[2]
 
         # loads allocated earlier in this scheduling pass: one job with ours
         joins = bool(self._loads)
@@ -258,6 +264,12 @@ class SchedulerSide:
             state.decision = None
         if num_external <= 0:
             return
+        # vLLM asks match() again for this request only if the load fails
+        # or the request is preempted: then the store has changed (a failed
+        # chunk is quarantined), so that call looks up again. Reusing the
+        # answer would plan the same failed load forever.
+        state.stored = None
+        state.cached_head = None
         assert self.engine is not None
         assert self.store is not None
         bs = self.block_size

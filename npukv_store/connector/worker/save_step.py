@@ -27,7 +27,7 @@ from npukv_store.connector.worker.block_runs import build_runs
 from npukv_store.connector.worker.loader import LoadLayer
 from npukv_store.device.ordering import d2h_after, record_written
 from npukv_store.spec import NamespaceSpec
-from npukv_store.store.format import MAX_CHUNK_BLOCKS
+from npukv_store.store.sizing import blocks_per_chunk
 from npukv_store.store.store import KVStore
 from npukv_store.store.write.staging import StagedSave
 
@@ -105,8 +105,9 @@ class StepSaver:
             keys, block_ids = concat_transfers(
                 [s for s in self._saves if s.group == group], self._rank
             )
-            target = self._settings.chunk_target_size // spec.block_bytes
-            per_chunk = max(1, min(MAX_CHUNK_BLOCKS, target))
+            per_chunk = blocks_per_chunk(
+                spec.block_bytes, self._settings.chunk_target_size
+            )
             for start in range(0, len(keys), per_chunk):
                 staged = self._stores[group].begin_save(keys[start : start + per_chunk])
                 if staged is not None:

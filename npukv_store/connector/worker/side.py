@@ -29,6 +29,7 @@ Hooks for layers the store does not hold (vllm-ascend's ``save_kv_layer("",
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -51,7 +52,14 @@ from npukv_store.connector.worker.pages import LayoutError, page_layout
 from npukv_store.connector.worker.remote_loads import RemoteLoads
 from npukv_store.connector.worker.save_step import StepSaver
 from npukv_store.errors import ConfigError, UnsupportedSetup
+from npukv_store.io.ring_sizing import RingRequest
 from npukv_store.remote.tier import MooncakeTier, open_tier, release_tier
+from npukv_store.spec import NamespaceSpec
+from npukv_store.store.sizing import (
+    DEFAULT_BATCHED_TOKENS,
+    ring_request,
+    save_batch_target,
+)
 from npukv_store.store.store import KVStore
 
 logger = logging.getLogger(__name__)
@@ -105,6 +113,7 @@ class WorkerSide:
             return
         self.rank = 0 if len(self.engine.specs) == 1 else _tp_rank()
         self.specs = self.engine.rank_specs(self.rank)
+        self._ring_request = _ring_request(vllm_config, self.specs, settings)
 
     @property
     def store(self) -> KVStore | None:
@@ -162,8 +171,13 @@ class WorkerSide:
                 unusable_cache_dir(self.settings.cache_dir, exc)
             ) from exc
         self.stores = [first] + [first.sibling(spec) for spec in self.specs[1:]]
-        first.prepare_async()
+        first.prepare_async(self._ring_request)
         ring = first.ring_buffer()
+        # save batches the ring can hold twice (a small /dev/shm: smaller chunks)
+        batch = save_batch_target(
+            self.specs, self.settings.chunk_target_size, ring.nbytes
+        )
+        saver_settings = dataclasses.replace(self.settings, chunk_target_size=batch)
         self._ring_region = self.backend.register_host(ring.ctypes.data, ring.nbytes)
         self.xfer = self.backend.new_stream()
         self.loader = LayerLoader(
@@ -176,7 +190,7 @@ class WorkerSide:
         )
         self.saver = StepSaver(
             self.stores, self.specs, self.layers, self._layer_pos, self.backend,
-            self.xfer, self.settings, self.rank, self._warn_once,
+            self.xfer, saver_settings, self.rank, self._warn_once,
         )  # fmt: skip
         logger.info(
             "npukv_store: worker rank %d ready: %d layers in %d KV cache group(s), "
@@ -396,6 +410,23 @@ def _first_tensor(kv_caches: dict[str, Any]) -> Any:
         else:
             return value
     raise ConfigError("register_kv_caches: found no tensors, expected KV caches")
+
+
+def _ring_request(
+    vllm_config: Any, specs: tuple[NamespaceSpec, ...], settings: StoreConfig
+) -> RingRequest:
+    """An auto ring's size (``ring_size: 0``): two of vLLM's largest steps
+    (max_num_batched_tokens) of this worker's blocks, in the share of /dev/shm
+    of the engine's workers on this node (store.sizing)."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    tokens = (
+        getattr(scheduler, "max_num_batched_tokens", None) or DEFAULT_BATCHED_TOKENS
+    )
+    parallel = vllm_config.parallel_config
+    sharers = int(getattr(parallel, "tensor_parallel_size", 1) or 1) * int(
+        getattr(parallel, "data_parallel_size_local", 1) or 1
+    )
+    return ring_request(specs, int(tokens), settings.chunk_target_size, sharers)
 
 
 def _tp_rank() -> int:

@@ -82,6 +82,15 @@ class ReadTuning:
     #: chunk ids remembered as read once (the page-cache admission set).
     header_cache_entries: int = 1024
     read_before_entries: int = 65536
+    #: The first read of a chunk goes O_DIRECT (with ``direct_io``): True or
+    #: False forces it; None follows the cache directory's calibration of its
+    #: disk (store/calibration.py; decision 0063), and O_DIRECT without one
+    #: (vm: 1.9 GB/s O_DIRECT against 1.3-1.6 buffered cold; decision 0012).
+    direct_first_reads: bool | None = None
+    #: A namespace every TP worker loads (MLA under TP > 1) is read buffered,
+    #: so the disk serves a hit once, not once per worker: 1.00x against 4.00x
+    #: the hit's bytes with 4 workers (vm; decision 0063). False: A/B runs.
+    buffered_when_shared: bool = True
     #: Every layer takes this route where it can (A/B runs and the tests that
     #: compare routes); ``direct`` still needs an aligned range and O_DIRECT.
     only_route: Route | None = None

@@ -8,7 +8,8 @@ Runs in: any process that reads; thread-safe (the header cache has a lock).
     ChunkReader.plan()        - the plan a read of a chunk would follow now
 
 A read of one chunk: open the file (the first read of a chunk by this reader
-may go around the page cache: ``policy.admit_on_read``), get its header (cached;
+may go around the page cache: ``policy.admit_on_read``; never in a namespace
+several workers load, ``loaded_by_several_workers``), get its header (cached;
 read ahead for the other chunks of a call), keep the items whose row holds the
 asked key, plan every layer's route (``.plan``: pure, from the page cache's
 residency and ``ReadTuning``), run the routes (``.routes``) and collect the
@@ -18,6 +19,7 @@ header, another key at the row, a short read or a checksum mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -29,7 +31,7 @@ from typing import TypeVar
 from npukv_store.errors import FormatError
 from npukv_store.io.engine import IOEngine, make_engine
 from npukv_store.spec import NamespaceSpec
-from npukv_store.store import policy
+from npukv_store.store import calibration, policy
 from npukv_store.store.arrays import DestRows
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import ChunkHeader
@@ -88,7 +90,12 @@ class ChunkReader:
         )
         self._engine_kind = engine_kind
         self._queue_depth = queue_depth
-        self._direct = direct and hasattr(os, "O_DIRECT")
+        # every worker of a shared namespace loads every hit: reads that
+        # went around the page cache would each go to the disk
+        self.shared = (
+            loaded_by_several_workers(spec) and self.tuning.buffered_when_shared
+        )
+        self._direct = direct and hasattr(os, "O_DIRECT") and not self.shared
         self._engines = threading.local()  # one engine per reading thread
         self._all_engines: list[IOEngine] = []
         self._verify_pool: ThreadPoolExecutor | None = None
@@ -120,6 +127,18 @@ class ChunkReader:
             while len(self._read_before) > self.tuning.read_before_entries:
                 self._read_before.popitem(last=False)
         return first
+
+    def _direct_first(self) -> bool:
+        """``tuning.direct_first_reads``, from the directory's calibration
+        where the tuning leaves it open: read once, at the first read (the
+        store has opened the directory by then), never raising."""
+        choice = self.tuning.direct_first_reads
+        if choice is None:
+            choice = calibration.derived_tuning(calibration.load(self._dir))[
+                "direct_first_reads"
+            ]
+            self.tuning = dataclasses.replace(self.tuning, direct_first_reads=choice)
+        return choice
 
     def _mark_corrupt(self, chunk_id: int) -> None:
         with self._lock:
@@ -193,7 +212,7 @@ class ChunkReader:
         except OSError:
             self._counters.add(read_errors=1)
             return []  # unreadable: a miss
-        direct = self._direct and self._first_read(chunk_id)
+        direct = self._direct and self._direct_first() and self._first_read(chunk_id)
         # Reads around the cache: no readahead, or the header read would pull
         # megabytes of the data section into the cache (read_ahead_kb) and
         # those ranges would then be read buffered.
@@ -289,8 +308,9 @@ class ChunkReader:
         cache's residency; None where the chunk cannot be read. For ``npukv
         inspect --plan``: reads the header only, and is not counted as a read."""
         path = self._dir.chunk_path(self._namespace, chunk_id)
+        first = self._direct and self._direct_first()
         with self._lock:
-            direct = self._direct and chunk_id not in self._read_before
+            direct = first and chunk_id not in self._read_before
         try:
             fd = self._dir.open_file(path, os.O_RDONLY)  # never via a symlink
         except OSError:
@@ -348,6 +368,16 @@ class ChunkReader:
             logger.warning("bad chunk, treated as a miss: %s", exc)
             self._mark_corrupt(chunk_id)
             return None
+
+
+def loaded_by_several_workers(spec: NamespaceSpec) -> bool:
+    """Whether several processes load every hit of ``spec``'s namespace: MLA's
+    latent cache under TP > 1, one namespace that every TP worker reads whole
+    (``connector/namespace.py``). Their first reads are buffered: the first
+    worker's read fills the page cache, and a worker that asks for a page
+    being read waits for that one I/O instead of reading it again
+    (docs/decisions/0063)."""
+    return spec.rank_independent and spec.tp_size > 1
 
 
 def _all_results(futures: Sequence[Future[T]]) -> list[T]:

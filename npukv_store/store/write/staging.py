@@ -31,7 +31,7 @@ from npukv_store import native
 from npukv_store.config import StoreConfig
 from npukv_store.io.direct import align_up
 from npukv_store.io.engine import IOEngine, make_engine
-from npukv_store.io.ring import StagingRing
+from npukv_store.io.ring_sizing import RingRequest, open_ring
 from npukv_store.io.writer import BackgroundWriter, Event, SaveBatch
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store.directory import HOST
@@ -109,9 +109,14 @@ class AsyncSaver:
     namespaces of the same process, see :meth:`KVStore.sibling`): one ring and
     one writer thread, each batch published through its own :class:`SaveTarget`."""
 
-    def __init__(self, config: StoreConfig, ring_dir: str = "/dev/shm") -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        ring_dir: str = "/dev/shm",
+        ring_request: RingRequest | None = None,
+    ) -> None:
         self.config = config
-        self.ring = StagingRing(config.ring_size, directory=ring_dir)
+        self.ring = open_ring(config.ring_size, ring_request, directory=ring_dir)
         self._engine: IOEngine | None = None  # created and used by the writer thread
         self.writer = BackgroundWriter(self.ring, self._publish, self._discard)
         #: where published blocks are also written (write-through,

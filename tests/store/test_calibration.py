@@ -1,0 +1,151 @@
+"""The disk's calibration (store/calibration.py): measured into the cache
+directory, loaded by readers for their device only, and followed by the first
+read of a chunk: O_DIRECT where the disk reads faster around the cache,
+buffered where it reads faster through it. Either way the bytes read are the
+bytes stored (routes change speed only)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from npukv_store import KVStore, StoreConfig
+from npukv_store.cli import main as npukv
+from npukv_store.cli import render, reports
+from npukv_store.store import calibration
+from npukv_store.store.calibration import Calibration
+from npukv_store.store.directory import CacheDir
+from npukv_store.store.read.plan import ReadTuning
+from tests.support.blocks import block_tensors
+from tests.support.chunks import (
+    BLOCKS,
+    aligned_out,
+    aligned_spec,
+    evict_from_page_cache,
+)
+
+SAMPLE = 2 << 20
+
+
+def opened(root: str) -> CacheDir:
+    cdir = CacheDir(root)
+    cdir.open()
+    return cdir
+
+
+def calibrated(cdir: CacheDir, buffered: float, direct: float) -> Calibration:
+    return Calibration(
+        calibration.device_id(cdir), 1, SAMPLE, buffered, buffered, direct, direct
+    )
+
+
+def test_a_measurement_is_saved_with_the_cache_s_mode_and_loaded(tmp_path):
+    cdir = opened(str(tmp_path / "cache"))
+    found = calibration.measure(cdir, SAMPLE)
+    speeds = [found.buffered_qd1, found.buffered_qd16, found.direct_qd16]
+    assert all(speed > 0 for speed in speeds), found
+    calibration.save(cdir, found)
+    assert calibration.load(cdir) == found
+    mode = os.stat(cdir.full(calibration.FILE_NAME)).st_mode
+    assert stat.S_IMODE(mode) == cdir.access.file_mode
+    assert os.listdir(cdir.tmp_dir) == []  # the scratch and staging files are gone
+
+
+def test_a_calibration_of_another_device_is_not_used(tmp_path):
+    cdir = opened(str(tmp_path / "cache"))
+    found = calibrated(cdir, 9.0, 1.0)
+    calibration.save(cdir, Calibration(**{**found.__dict__, "device": "8:99/1"}))
+    assert calibration.load(cdir) is None
+    calibration.save(cdir, found)  # redone on this device: replaces the old one
+    assert calibration.load(cdir) == found
+
+
+def test_ensure_measures_once_and_not_while_another_process_measures(tmp_path):
+    cdir = opened(str(tmp_path / "cache"))
+    fd = cdir.open_file(calibration.LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another process measuring
+    try:
+        assert calibration.ensure(cdir, SAMPLE) is None
+        assert calibration.load(cdir) is None
+    finally:
+        os.close(fd)
+    first = calibration.ensure(cdir, SAMPLE)
+    assert first is not None
+    assert calibration.ensure(cdir, SAMPLE) == first  # loaded, not measured again
+
+
+@given(
+    buffered=st.floats(0.001, 1000.0),
+    direct=st.one_of(st.just(0.0), st.floats(0.001, 1000.0)),
+)
+def test_first_reads_go_direct_unless_buffered_reads_are_clearly_faster(
+    buffered, direct
+):
+    found = Calibration("1:2", 1, SAMPLE, buffered, buffered / 2, direct / 3, direct)
+    expected = direct > 0 and buffered <= calibration.BUFFERED_MARGIN * direct
+    assert found.direct_first_reads is expected
+    assert calibration.derived_tuning(found) == {"direct_first_reads": expected}
+    assert found.summary()["first_reads"] == ("direct" if expected else "buffered")
+    round_trip = calibration._parse(
+        json.dumps(
+            {
+                "format": calibration.FORMAT, "version": calibration.VERSION,
+                "device": "1:2", "measured_ns": 1, "sample_bytes": SAMPLE,
+                "gbps": {k: getattr(found, k) for k in calibration._KINDS},
+            }
+        ).encode()
+    )  # fmt: skip
+    assert round_trip == found
+
+
+def test_no_calibration_keeps_the_constants_route():
+    assert calibration.derived_tuning(None) == {"direct_first_reads": True}
+    assert ReadTuning().direct_first_reads is None  # follows the calibration
+
+
+@pytest.mark.parametrize(
+    ("buffered", "direct", "direct_reads"), [(1.0, 2.0, True), (2.0, 1.0, False)]
+)
+def test_the_first_read_follows_the_calibration_and_reads_the_same_bytes(
+    tmp_path, buffered, direct, direct_reads
+):
+    spec = aligned_spec()
+    config = StoreConfig(cache_dir=str(tmp_path / "cache"), capacity="64MiB")
+    keys = [bytes([i, 3]) * 8 for i in range(BLOCKS)]
+    with KVStore(config, spec) as store:
+        assert store.put(keys, block_tensors(spec, keys)).stored == BLOCKS
+        calibration.save(store.dir, calibrated(store.dir, buffered, direct))
+    evict_from_page_cache(config.cache_dir)
+    out = aligned_out(spec, BLOCKS)
+    with KVStore(config, spec) as store:
+        assert store.read(keys, out) == [True] * BLOCKS
+        moved = store.stats().counters["direct_read_bytes"]
+    assert moved == (BLOCKS * spec.block_bytes if direct_reads else 0)
+    for name, array in block_tensors(spec, keys).items():
+        np.testing.assert_array_equal(out[name], array)
+
+
+def test_stats_and_calibrate_report_the_route(tmp_path, capsys):
+    root = str(tmp_path / "cache")
+    cdir = opened(root)
+    assert calibration.as_stats(cdir) is None
+    assert "constants" in render.calibration_text(None)
+    assert npukv(["calibrate", root, "--sample-mib", "2", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)["read_calibration"]
+    assert printed == calibration.as_stats(cdir)
+    text = render.calibration_text(printed)
+    assert text.startswith(printed["first_reads"])
+    assert f"{printed['direct_qd16']:.2f} GB/s" in text
+    spec = aligned_spec()
+    with KVStore(StoreConfig(cache_dir=root, capacity="64MiB"), spec) as store:
+        report = reports.stats_report(store.dir, store.index, None)
+    assert report["read_calibration"] == printed
+    (totals, _) = render.stats_sections(report)
+    assert ("first reads", text) in totals.rows
