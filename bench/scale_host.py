@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import multiprocessing as mp
 import os
 import resource
 import tempfile
 from typing import Any
 
+from bench.harness.processes import in_process
 from npukv_store import KVStore, StoreConfig
 
 #: Qwen3-235B-A22B's config.json, the fields the KV cache depends on
@@ -39,13 +39,6 @@ def mla_reads(root: str, gib: float, rounds: int) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"workers": 4, "gib": gib, "rounds": rounds}
     params = inspect.signature(mod.measure).parameters
     return dict(mod.measure(root, **{k: v for k, v in kwargs.items() if k in params}))
-
-
-def _worker(cache_dir: str, tp: int, batched_tokens: int, out: Any) -> None:
-    try:
-        out.put(("ok", _one_worker(cache_dir, tp, batched_tokens)))
-    except BaseException as exc:  # reported to the parent, which raises it
-        out.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
 def _one_worker(cache_dir: str, tp: int, batched_tokens: int) -> dict[str, Any]:
@@ -73,21 +66,10 @@ def _one_worker(cache_dir: str, tp: int, batched_tokens: int) -> dict[str, Any]:
 
 def host_memory(root: str, batched_tokens: int) -> dict[str, Any]:
     """Per TP (4, 16): one worker's peak RSS and /dev/shm, in its own process."""
-    ctx = mp.get_context("spawn")
     rows = {}
     for tp in (4, 16):
-        out = ctx.Queue()
         cache_dir = tempfile.mkdtemp(prefix=f"tp{tp}-", dir=root)
-        proc = ctx.Process(target=_worker, args=(cache_dir, tp, batched_tokens, out))
-        proc.start()
-        try:
-            status, value = out.get(timeout=600)
-        finally:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-        if status != "ok":
-            raise RuntimeError(f"host memory at TP {tp}: {value}")
-        rows[str(tp)] = value
+        rows[str(tp)] = in_process(
+            _one_worker, cache_dir, tp, batched_tokens, timeout_s=600
+        )
     return rows

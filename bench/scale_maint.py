@@ -20,17 +20,16 @@ rebuild through its public function, the only way to choose its sync.
 from __future__ import annotations
 
 import inspect
-import multiprocessing as mp
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from bench import scale_fill as fill
+from bench.harness.processes import in_process
 from bench.scale_open import store_config
 from npukv_store import KVStore, LayerSpec, NamespaceSpec, PartSpec
 from npukv_store.maintenance import open_cache
@@ -76,33 +75,6 @@ def _rebuild_here(cache_dir: str, sync: bool) -> tuple[float, int]:
     finally:
         index.close()
     return took, chunks
-
-
-def _child(fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
-    try:
-        out.put(("ok", fn(*args)))
-    except BaseException as exc:  # reported to the parent, which raises it
-        out.put(("error", f"{type(exc).__name__}: {exc}"))
-
-
-def in_process(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` in a spawned process, as the operator's commands and
-    the servers run: what a store handle or a rebuild holds of the
-    directory (its lock, a session), it holds there and lets go on exit."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(fn, args, out))
-    proc.start()
-    try:
-        status, value = out.get(timeout=3600)
-    finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    if status != "ok":
-        raise RuntimeError(f"{fn.__name__}: {value}")
-    return value
 
 
 def rebuild(cache_dir: str, sync: bool) -> tuple[float, int]:

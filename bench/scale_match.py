@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
+from bench.harness.processes import in_process
 from npukv_store.store.index import ChunkRecord, Index
 
 TOKENS = 131072
@@ -162,32 +163,9 @@ def measure(
     }
 
 
-def _child(
-    cache_dir: str, namespaces: tuple[int, ...], repeats: int, tokens_n: int, out: Any
-) -> None:
-    try:
-        out.put(("ok", measure(cache_dir, namespaces, repeats, tokens_n)))
-    except BaseException as exc:  # reported to the parent, which raises it
-        out.put(("error", f"{type(exc).__name__}: {exc}"))
-
-
 def run_case(cache_dir: str, repeats: int, tokens_n: int = TOKENS) -> dict[str, Any]:
     """In a spawned process: vLLM's import stays out of this one."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(
-        target=_child, args=(cache_dir, (1, 4, 16), repeats, tokens_n, out)
-    )
-    proc.start()
-    try:
-        status, value = out.get(timeout=1800)
-    finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    if status != "ok":
-        raise RuntimeError(f"match case: {value}")
+    namespaces = (1, 4, 16)
+    args = (cache_dir, namespaces, repeats, tokens_n)
+    value = in_process(measure, *args, timeout_s=1800)
     return {"tokens": tokens_n, "block_size": BLOCK, "by_namespaces": value}

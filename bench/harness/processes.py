@@ -10,6 +10,8 @@
                       thread that started it exits (a killed pytest or
                       benchmark leaves no Mooncake master or vLLM behind)
     reap(), reaping() end a child on every path
+    in_process()      ``fn(*args)`` in a spawned process, its result or its
+                      error brought back (the scale benchmark's cases)
 
 A ``subprocess.Popen`` that is never waited for warns from its ``__del__``
 ("subprocess N is still running") whenever the garbage collector gets to it,
@@ -114,3 +116,33 @@ def reaping(*procs: Any) -> Iterator[None]:
     finally:
         for proc in procs:
             reap(proc)
+
+
+def _run_and_report(fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+    try:
+        out.put(("ok", fn(*args)))
+    except BaseException as exc:  # reported to the parent, which raises it
+        out.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def in_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 3600) -> Any:
+    """``fn(*args)`` (both picklable) in a spawned process, as the operator's
+    commands and the servers run: what it holds of a directory (a lock, a
+    session) it lets go on exit, and what it imports stays out of this
+    process. Raises RuntimeError with the child's error."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_run_and_report, args=(fn, args, out))
+    proc.start()
+    try:
+        status, value = out.get(timeout=timeout_s)
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    if status != "ok":
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)}: {value}")
+    return value
