@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from npukv_store.store.index import ChunkRecord, Index
+from npukv_store.store.index import Index
+from npukv_store.store.index_rows import ChunkRecord
 
 NAMESPACE = b"\x01" * 16
 BASE_NS = 1_000_000_000_000_000_000  # far from now: touches in a bench stay younger

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from npukv_store.store.index import ChunkRecord, Index
+from npukv_store.store.index import Index
+from npukv_store.store.index_rows import ChunkRecord
 
 ROWS = 7  # rows per chunk: DeepSeek's count at 64 MiB chunks (scale-review)
 CHUNK_BYTES = 64 << 20  # nominal size of a chunk, feeds the ledger only

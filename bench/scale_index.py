@@ -32,7 +32,8 @@ from typing import Any
 from bench import scale_fill as fill
 from bench.report import pct
 from npukv_store.store.claims import ClaimTable
-from npukv_store.store.index import ChunkRecord, Index
+from npukv_store.store.index import Index
+from npukv_store.store.index_rows import ChunkRecord
 
 CHAIN = 256
 _CHAIN_CHUNKS = -(-CHAIN // fill.ROWS) + 1  # chunks a chain spans

@@ -25,7 +25,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from bench.harness.processes import in_process
-from npukv_store.store.index import ChunkRecord, Index
+from npukv_store.store.index import Index
+from npukv_store.store.index_rows import ChunkRecord
 
 TOKENS = 131072
 BLOCK = 128

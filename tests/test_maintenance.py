@@ -19,7 +19,7 @@ import pytest
 from bench.harness.processes import reaping
 from npukv_store import KVStore, StoreConfig
 from npukv_store.maintenance import Options, run
-from npukv_store.store.index import ChunkRecord
+from npukv_store.store.index_rows import ChunkRecord
 from npukv_store.store.write.chunk_file import write_chunk
 from tests.support.blocks import block_tensors, empty_blocks, tiny_spec
 

@@ -18,7 +18,8 @@ from npukv_store.spec import NamespaceSpec
 from npukv_store.store import calibration, policy
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import META_CREATED_NS, META_CREATOR, ChunkHeader
-from npukv_store.store.index import ChunkRecord, Index
+from npukv_store.store.index import Index
+from npukv_store.store.index_rows import ChunkRecord
 
 
 @dataclass

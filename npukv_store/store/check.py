@@ -31,7 +31,8 @@ from npukv_store.store.directory import CacheDir
 from npukv_store.store.dirfd import UnsafeEntry
 from npukv_store.store.format import ChunkHeader, layer_checksums
 from npukv_store.store.format_checks import parse_header
-from npukv_store.store.index import ChunkRecord, Index
+from npukv_store.store.index import Index
+from npukv_store.store.index_rows import ChunkRecord
 
 
 def check_store(

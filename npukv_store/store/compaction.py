@@ -35,7 +35,8 @@ from npukv_store.store import policy
 from npukv_store.store.arrays import empty_rows
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import MAX_CHUNK_BLOCKS
-from npukv_store.store.index import ChunkRecord, Index
+from npukv_store.store.index import Index
+from npukv_store.store.index_rows import ChunkRecord
 from npukv_store.store.publish import Publisher
 from npukv_store.store.store import KVStore
 from npukv_store.store.write.chunk_file import write_chunk

@@ -12,7 +12,7 @@ the last committed state and the lock is recovered by the next writer.
     remove_chunks() - unpublish chunks (the caller unlinks their files after)
     touch()         - move chunks to the young end of the LRU
 
-Databases (keys and values are fixed-layout bytes, see the ``_*_FMT``):
+Databases (keys and values are fixed-layout bytes: :mod:`.index_rows`):
     keys    16-byte block key -> chunk id u64, row u32   (the block's home);
             row 0 of a chunk whose rows are all home: then the keys of its
             other rows (so a chain's lookup descends once per chunk)
@@ -30,10 +30,9 @@ Why LMDB and not SQLite: docs/decisions/0001 (measured 256-key lookups and commi
 
 from __future__ import annotations
 
-import struct
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import repeat
 
 import lmdb
@@ -41,72 +40,21 @@ import lmdb
 from npukv_store.errors import FormatError
 from npukv_store.store import policy
 from npukv_store.store.envs import open_env, release_env
+from npukv_store.store.index_rows import (
+    CID,
+    HOME,
+    LOC_FMT,
+    LRU_FMT,
+    U64,
+    ChunkRecord,
+    CommitResult,
+    listed_run,
+    total_bytes,
+    whole_home,
+)
 from npukv_store.store.permissions import Access
 
 SCHEMA = b"npukv-index-2"  # 2: row 0 of a whole chunk lists its other keys
-_LOC_FMT = struct.Struct("<QI")  # keys db value: chunk id, row
-_REC_FMT = struct.Struct("<16sQIIQQ")  # ns, size, rows, live rows, last ns, created ns
-_LRU_FMT = struct.Struct(">QQ")  # big-endian so byte order is time order
-_U64 = struct.Struct("<Q")
-_CID = struct.Struct(">Q")
-_KEY = 16  # bytes of a block key
-_HOME = _LOC_FMT.size  # where row 0's list of the other keys starts
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRecord:
-    """One published chunk, as the index knows it."""
-
-    chunk_id: int
-    namespace: bytes
-    size_bytes: int
-    num_rows: int
-    live_rows: int
-    last_access_ns: int
-    created_ns: int
-    keys: tuple[bytes, ...]
-
-    @classmethod
-    def new(
-        cls,
-        chunk_id: int,
-        namespace: bytes,
-        keys: Sequence[bytes],
-        size_bytes: int,
-        created_ns: int,
-    ) -> ChunkRecord:
-        """The record of a chunk about to be committed (rows not yet won)."""
-        return cls(
-            chunk_id, namespace, size_bytes, len(keys), 0, created_ns, created_ns,
-            tuple(keys),
-        )  # fmt: skip
-
-    def pack(self) -> bytes:
-        head = _REC_FMT.pack(
-            self.namespace,
-            self.size_bytes,
-            self.num_rows,
-            self.live_rows,
-            self.last_access_ns,
-            self.created_ns,
-        )
-        return head + b"".join(self.keys)
-
-    @classmethod
-    def unpack(cls, chunk_id: int, raw: bytes | memoryview) -> ChunkRecord:
-        ns, size, rows, live, last, created = _REC_FMT.unpack_from(raw)
-        blob = bytes(raw[_REC_FMT.size :])
-        keys = tuple(blob[i : i + 16] for i in range(0, len(blob), 16))
-        return cls(chunk_id, ns, size, rows, live, last, created, keys)
-
-
-@dataclass(frozen=True, slots=True)
-class CommitResult:
-    """What :meth:`Index.commit_chunk` did: rows won, and chunks evicted for room."""
-
-    live_rows: int
-    rejected: bool
-    victims: tuple[ChunkRecord, ...]
 
 
 class Index:
@@ -134,24 +82,33 @@ class Index:
         except lmdb.Error as exc:
             raise FormatError(f"{path}: index unreadable ({exc})") from exc
         try:
-            # One explicit write txn: open_db without one begins it holding
-            # the GIL, which deadlocks against a thread of ours mid-commit.
-            with self._env.begin(write=True) as txn:
-                self._keys = self._env.open_db(b"keys", txn=txn)
-                self._chunks = self._env.open_db(b"chunks", txn=txn)
-                self._lru = self._env.open_db(b"lru", txn=txn)
-                self._meta = self._env.open_db(b"meta", txn=txn)
-                self._dead = self._env.open_db(b"dead", txn=txn)
-                schema = txn.get(b"schema", db=self._meta)
-                if schema is None:
-                    txn.put(b"schema", SCHEMA, db=self._meta)
-                    txn.put(b"total_bytes", _U64.pack(0), db=self._meta)
+            schema = self._open_dbs()
         except lmdb.Error as exc:
             self.close()
             raise FormatError(f"{path}: index unreadable ({exc})") from exc
         if schema not in (None, SCHEMA):
             self.close()
             raise FormatError(f"{path}: index schema {schema!r}, expected {SCHEMA!r}")
+
+    def _open_dbs(self) -> bytes | None:
+        """Open the five databases; the schema found (None: a new index).
+
+        One explicit write transaction: ``open_db`` without one begins it
+        holding the GIL, which deadlocks against a thread of ours
+        mid-commit. (A read transaction cannot open them: py-lmdb aborts a
+        read transaction at commit, which closes the handles.) Where the
+        databases exist it writes nothing, so its commit flushes nothing:
+        it holds LMDB's writer lock for microseconds.
+        """
+        with self._env.begin(write=True) as txn:
+            names = (b"keys", b"chunks", b"lru", b"meta", b"dead")
+            dbs = [self._env.open_db(name, txn=txn) for name in names]
+            schema = txn.get(b"schema", db=dbs[3])
+            if schema is None:
+                txn.put(b"schema", SCHEMA, db=dbs[3])
+                txn.put(b"total_bytes", U64.pack(0), db=dbs[3])
+        self._keys, self._chunks, self._lru, self._meta, self._dead = dbs
+        return schema
 
     def close(self) -> None:
         """Release this handle; the environment closes with its last handle."""
@@ -174,8 +131,8 @@ class Index:
             while i < count and find(keys[i]):
                 i += 1
                 home = value()
-                if len(home) > _HOME and i < count:
-                    i += _listed_run(home, keys, i)
+                if len(home) > HOME and i < count:
+                    i += listed_run(home, keys, i)
         return i
 
     def locate(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
@@ -188,7 +145,7 @@ class Index:
         """
         found: list[tuple[int, int] | None] = []
         count, i = len(keys), 0
-        unpack_home = _LOC_FMT.unpack_from
+        unpack_home = LOC_FMT.unpack_from
         with self._env.begin(db=self._keys) as txn:
             cursor = txn.cursor()
             find, value = cursor.set_key, cursor.value
@@ -200,8 +157,8 @@ class Index:
                 home = value()
                 location = unpack_home(home)
                 found.append(location)
-                if len(home) > _HOME and i < count:
-                    run = _listed_run(home, keys, i)
+                if len(home) > HOME and i < count:
+                    run = listed_run(home, keys, i)
                     found.extend(zip(repeat(location[0]), range(1, 1 + run)))
                     i += run
         return found
@@ -209,27 +166,27 @@ class Index:
     def chunk(self, chunk_id: int) -> ChunkRecord | None:
         """The record of a published chunk, or None."""
         with self._env.begin(db=self._chunks) as txn:
-            raw = txn.get(_CID.pack(chunk_id))
+            raw = txn.get(CID.pack(chunk_id))
         return None if raw is None else ChunkRecord.unpack(chunk_id, raw)
 
     def iter_chunks(self) -> Iterator[ChunkRecord]:
         """Every published chunk (one consistent snapshot)."""
         with self._env.begin(db=self._chunks) as txn:
             for raw_id, raw in txn.cursor():
-                yield ChunkRecord.unpack(_CID.unpack(raw_id)[0], raw)
+                yield ChunkRecord.unpack(CID.unpack(raw_id)[0], raw)
 
     def iter_keys(self) -> Iterator[tuple[bytes, int, int]]:
         """Every ``(key, chunk id, row)`` (one consistent snapshot)."""
         with self._env.begin(db=self._keys) as txn:
             for key, raw in txn.cursor():
-                chunk_id, row = _LOC_FMT.unpack_from(raw)
+                chunk_id, row = LOC_FMT.unpack_from(raw)
                 yield bytes(key), chunk_id, row
 
     def iter_lru(self) -> Iterator[tuple[int, int]]:
         """Every ``(last access ns, chunk id)``, oldest first."""
         with self._env.begin(db=self._lru) as txn:
             for raw, _ in txn.cursor():
-                yield _LRU_FMT.unpack(raw)
+                yield LRU_FMT.unpack(raw)
 
     def recorded_capacity(self) -> int | None:
         """The ``capacity`` of the latest committing process (None before the
@@ -237,12 +194,12 @@ class Index:
         maintenance job and ``npukv stats`` need the budget the servers run to."""
         with self._env.begin(db=self._meta) as txn:
             raw = txn.get(b"capacity")
-        return None if raw is None else int(_U64.unpack(raw)[0])
+        return None if raw is None else int(U64.unpack(raw)[0])
 
     def totals(self) -> tuple[int, int, int]:
         """``(total bytes, chunks, keys)`` from the ledger and the db sizes."""
         with self._env.begin() as txn:
-            total = _total(txn, self._meta)
+            total = total_bytes(txn, self._meta)
             return (
                 total,
                 txn.stat(self._chunks)["entries"],
@@ -273,7 +230,7 @@ class Index:
         with self._env.begin(write=True) as txn:
             self._touch_in(txn, touched, record.last_access_ns)
             self._forget_in(txn, unlinked)
-            total = _total(txn, self._meta)
+            total = total_bytes(txn, self._meta)
             victims = self._pick_victims(
                 txn,
                 total + record.size_bytes - capacity_bytes,
@@ -290,9 +247,9 @@ class Index:
             if live == 0:
                 txn.abort()  # nothing won: evicting for it would be pure loss
                 return CommitResult(0, False, ())
-            txn.put(b"total_bytes", _U64.pack(total + record.size_bytes), db=self._meta)
+            txn.put(b"total_bytes", U64.pack(total + record.size_bytes), db=self._meta)
             if capacity_bytes < 1 << 62:  # rebuilds pass "unlimited"
-                txn.put(b"capacity", _U64.pack(capacity_bytes), db=self._meta)
+                txn.put(b"capacity", U64.pack(capacity_bytes), db=self._meta)
         return CommitResult(live, False, tuple(victims))
 
     def _publish_in(self, txn: lmdb.Transaction, record: ChunkRecord) -> int:
@@ -302,14 +259,14 @@ class Index:
         live = 0
         for row, key in enumerate(record.keys):
             live += txn.put(
-                key, _LOC_FMT.pack(record.chunk_id, row), overwrite=False, db=self._keys
+                key, LOC_FMT.pack(record.chunk_id, row), overwrite=False, db=self._keys
             )
         if live == len(record.keys) > 1:  # all rows home: row 0 lists the others
-            txn.put(record.keys[0], _whole_home(record), db=self._keys)
+            txn.put(record.keys[0], whole_home(record), db=self._keys)
         if live:
             rec = replace(record, live_rows=live)
-            txn.put(_CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
-            txn.put(_LRU_FMT.pack(rec.last_access_ns, rec.chunk_id), b"", db=self._lru)
+            txn.put(CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
+            txn.put(LRU_FMT.pack(rec.last_access_ns, rec.chunk_id), b"", db=self._lru)
         return live
 
     def replace_chunks(
@@ -337,19 +294,19 @@ class Index:
             moved: dict[int, int] = {}  # source chunk id -> rows it lost
             for row, (key, source) in enumerate(zip(record.keys, sources, strict=True)):
                 home = txn.get(key, db=self._keys)
-                if home is not None and home[: _LOC_FMT.size] == _LOC_FMT.pack(*source):
-                    txn.put(key, _LOC_FMT.pack(record.chunk_id, row), db=self._keys)
+                if home is not None and home[: LOC_FMT.size] == LOC_FMT.pack(*source):
+                    txn.put(key, LOC_FMT.pack(record.chunk_id, row), db=self._keys)
                     live += 1
                     moved[source[0]] = moved.get(source[0], 0) + 1
             if live == 0:
                 txn.abort()
                 return 0, []
             if live == len(record.keys) > 1:
-                txn.put(record.keys[0], _whole_home(record), db=self._keys)
-            total = _total(txn, self._meta)
+                txn.put(record.keys[0], whole_home(record), db=self._keys)
+            total = total_bytes(txn, self._meta)
             removed, last = [], record.last_access_ns
             for chunk_id in old_ids:
-                raw = txn.get(_CID.pack(chunk_id), db=self._chunks)
+                raw = txn.get(CID.pack(chunk_id), db=self._chunks)
                 if raw is None:
                     continue  # evicted meanwhile
                 old = ChunkRecord.unpack(chunk_id, raw)
@@ -361,16 +318,16 @@ class Index:
             # vouching for rows moved away (lookups trust it), and its live
             # count must stay true.
             for chunk_id, lost in moved.items():
-                raw = txn.get(_CID.pack(chunk_id), db=self._chunks)
+                raw = txn.get(CID.pack(chunk_id), db=self._chunks)
                 if raw is not None:
                     old = ChunkRecord.unpack(chunk_id, raw)
                     left = replace(old, live_rows=old.live_rows - lost)
-                    txn.put(_CID.pack(chunk_id), left.pack(), db=self._chunks)
+                    txn.put(CID.pack(chunk_id), left.pack(), db=self._chunks)
                     home = txn.get(old.keys[0], db=self._keys)
-                    if home is not None and home[: _LOC_FMT.size] == _LOC_FMT.pack(
+                    if home is not None and home[: LOC_FMT.size] == LOC_FMT.pack(
                         chunk_id, 0
                     ):
-                        txn.put(old.keys[0], _LOC_FMT.pack(chunk_id, 0), db=self._keys)
+                        txn.put(old.keys[0], LOC_FMT.pack(chunk_id, 0), db=self._keys)
             if record.size_bytes > sum(old.size_bytes for old in removed):
                 # Sources evicted since the plan left their rows in the new
                 # chunk as dead space: publishing it would grow the ledger,
@@ -379,9 +336,9 @@ class Index:
                 txn.abort()
                 return 0, []
             rec = replace(record, live_rows=live, last_access_ns=last)
-            txn.put(_CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
-            txn.put(_LRU_FMT.pack(last, rec.chunk_id), b"", db=self._lru)
-            txn.put(b"total_bytes", _U64.pack(total + rec.size_bytes), db=self._meta)
+            txn.put(CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
+            txn.put(LRU_FMT.pack(last, rec.chunk_id), b"", db=self._lru)
+            txn.put(b"total_bytes", U64.pack(total + rec.size_bytes), db=self._meta)
         return live, removed
 
     def evict(self, excess: int, *, young_after_ns: int) -> list[ChunkRecord]:
@@ -401,20 +358,20 @@ class Index:
                     self._unpublish_in(txn, victim)
                     excess -= victim.size_bytes
                 victims += picked
-            total = _total(txn, self._meta) - sum(v.size_bytes for v in victims)
-            txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
+            total = total_bytes(txn, self._meta) - sum(v.size_bytes for v in victims)
+            txn.put(b"total_bytes", U64.pack(total), db=self._meta)
         return victims
 
     def evict_plan(self, excess: int, grace_s: float) -> list[int]:
         """The chunk ids :meth:`evict` would remove now (for a dry run)."""
         young_after = time.time_ns() - int(grace_s * 1e9)
         with self._env.begin() as txn:
-            lru = (_LRU_FMT.unpack(raw) for raw, _ in txn.cursor(db=self._lru))
+            lru = (LRU_FMT.unpack(raw) for raw, _ in txn.cursor(db=self._lru))
             picked = []
             for last_ns, chunk_id in lru:
                 if excess <= 0 or last_ns > young_after:
                     break
-                raw = txn.get(_CID.pack(chunk_id), db=self._chunks) or b""
+                raw = txn.get(CID.pack(chunk_id), db=self._chunks) or b""
                 excess -= ChunkRecord.unpack(chunk_id, raw).size_bytes
                 picked.append(chunk_id)
         return picked
@@ -423,23 +380,23 @@ class Index:
         """Unpublish chunks; returns their records so the caller can unlink files."""
         removed: list[ChunkRecord] = []
         with self._env.begin(write=True) as txn:
-            total = _total(txn, self._meta)
+            total = total_bytes(txn, self._meta)
             for chunk_id in chunk_ids:
-                raw = txn.get(_CID.pack(chunk_id), db=self._chunks)
+                raw = txn.get(CID.pack(chunk_id), db=self._chunks)
                 if raw is None:
                     continue
                 record = ChunkRecord.unpack(chunk_id, raw)
                 self._unpublish_in(txn, record)
                 total -= record.size_bytes
                 removed.append(record)
-            txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
+            txn.put(b"total_bytes", U64.pack(total), db=self._meta)
         return removed
 
     def dead_chunks(self) -> dict[int, bytes]:
         """Tombstones: chunk id -> namespace of unpublished chunks whose file
         may still exist (the unlink follows the commit)."""
         with self._env.begin(db=self._dead) as txn:
-            return {_CID.unpack(k)[0]: bytes(v) for k, v in txn.cursor()}
+            return {CID.unpack(k)[0]: bytes(v) for k, v in txn.cursor()}
 
     def forget_dead(self, chunk_ids: Iterable[int]) -> None:
         """Drop tombstones once their files are gone."""
@@ -448,7 +405,7 @@ class Index:
 
     def _forget_in(self, txn: lmdb.Transaction, chunk_ids: Iterable[int]) -> None:
         for chunk_id in chunk_ids:
-            txn.delete(_CID.pack(chunk_id), db=self._dead)
+            txn.delete(CID.pack(chunk_id), db=self._dead)
 
     def touch(self, chunk_ids: Iterable[bytes], now_ns: int) -> None:
         """Mark chunks (8-byte little-endian ids) as used at ``now_ns``."""
@@ -459,16 +416,16 @@ class Index:
         self, txn: lmdb.Transaction, chunk_ids: Iterable[bytes], now_ns: int
     ) -> None:
         for raw_id in chunk_ids:
-            chunk_id = _U64.unpack(raw_id)[0]
-            cid = _CID.pack(chunk_id)
+            chunk_id = U64.unpack(raw_id)[0]
+            cid = CID.pack(chunk_id)
             raw = txn.get(cid, db=self._chunks)
             if raw is None:
                 continue  # evicted since the lookup: nothing to refresh
             record = ChunkRecord.unpack(chunk_id, raw)
             if record.last_access_ns >= now_ns:
                 continue
-            txn.delete(_LRU_FMT.pack(record.last_access_ns, chunk_id), db=self._lru)
-            txn.put(_LRU_FMT.pack(now_ns, chunk_id), b"", db=self._lru)
+            txn.delete(LRU_FMT.pack(record.last_access_ns, chunk_id), db=self._lru)
+            txn.put(LRU_FMT.pack(now_ns, chunk_id), b"", db=self._lru)
             txn.put(cid, replace(record, last_access_ns=now_ns).pack(), db=self._chunks)
 
     def _pick_victims(
@@ -479,25 +436,25 @@ class Index:
         records: dict[int, ChunkRecord] = {}
 
         def size_of(chunk_id: int) -> int:
-            raw = txn.get(_CID.pack(chunk_id), db=self._chunks) or b""
+            raw = txn.get(CID.pack(chunk_id), db=self._chunks) or b""
             records[chunk_id] = ChunkRecord.unpack(chunk_id, raw)
             return records[chunk_id].size_bytes
 
-        lru = (_LRU_FMT.unpack(raw) for raw, _ in txn.cursor(db=self._lru))
+        lru = (LRU_FMT.unpack(raw) for raw, _ in txn.cursor(db=self._lru))
         victims = policy.pick_victims(lru, size_of, excess, young_after_ns)
         return None if victims is None else [records[cid] for cid in victims]
 
     def _unpublish_in(self, txn: lmdb.Transaction, record: ChunkRecord) -> None:
         cursor = txn.cursor(db=self._keys)  # one descent per key, not two
         for row, key in enumerate(record.keys):
-            home = _LOC_FMT.pack(record.chunk_id, row)
-            if cursor.set_key(key) and cursor.value()[: _LOC_FMT.size] == home:
+            home = LOC_FMT.pack(record.chunk_id, row)
+            if cursor.set_key(key) and cursor.value()[: LOC_FMT.size] == home:
                 cursor.delete()  # only rows this chunk is home of
-        txn.delete(_LRU_FMT.pack(record.last_access_ns, record.chunk_id), db=self._lru)
-        txn.delete(_CID.pack(record.chunk_id), db=self._chunks)
+        txn.delete(LRU_FMT.pack(record.last_access_ns, record.chunk_id), db=self._lru)
+        txn.delete(CID.pack(record.chunk_id), db=self._chunks)
         # The file outlives this commit until its unlink; if the unlinker dies in
         # between, the tombstone tells recovery the file is dead, not in flight.
-        txn.put(_CID.pack(record.chunk_id), record.namespace, db=self._dead)
+        txn.put(CID.pack(record.chunk_id), record.namespace, db=self._dead)
 
     # -- recovery's records: sessions, the rebuild mark (docs/decisions/0059) --
 
@@ -536,7 +493,7 @@ class Index:
             if txn.get(mark, db=self._meta) is not None:
                 return None
             ids = txn.cursor(db=self._chunks).iternext(keys=True, values=False)
-            return {_CID.unpack(raw)[0] for raw in ids}
+            return {CID.unpack(raw)[0] for raw in ids}
 
     def commit_rebuilt(self, records: Sequence[ChunkRecord]) -> int:
         """A rebuild's commit: many chunks in one transaction, first commit
@@ -544,46 +501,13 @@ class Index:
         since the rebuild read its file) is skipped. Returns chunks published."""
         published = 0
         with self._env.begin(write=True) as txn:
-            total = _total(txn, self._meta)
+            total = total_bytes(txn, self._meta)
             for record in records:
-                cid = _CID.pack(record.chunk_id)
+                cid = CID.pack(record.chunk_id)
                 if txn.get(cid, db=self._chunks) or txn.get(cid, db=self._dead):
                     continue
                 if self._publish_in(txn, record):
                     total += record.size_bytes
                     published += 1
-            txn.put(b"total_bytes", _U64.pack(total), db=self._meta)
+            txn.put(b"total_bytes", U64.pack(total), db=self._meta)
         return published
-
-
-def _whole_home(record: ChunkRecord) -> bytes:
-    """Row 0's keys db value in a chunk whose rows are all home: its home,
-    then the keys of its other rows."""
-    return _LOC_FMT.pack(record.chunk_id, 0) + b"".join(record.keys[1:])
-
-
-def _listed_run(home: bytes, keys: Sequence[bytes], start: int) -> int:
-    """How many keys from ``keys[start]`` on are the next rows of the whole
-    chunk whose row 0's keys db value is ``home`` (that value lists them)."""
-    others = home[_HOME:]
-    wanted = keys[start : start + len(others) // _KEY]
-    joined = b"".join(wanted)
-    # 16 bytes a key on average, and none shorter: every key is 16 bytes
-    if (
-        others.startswith(joined)
-        and len(joined) == _KEY * len(wanted)
-        and min(map(len, wanted)) == _KEY
-    ):
-        return len(wanted)
-    same = 0  # some key differs: count those before it
-    for at, key in zip(range(0, len(others), _KEY), wanted, strict=False):
-        if others[at : at + _KEY] != key:
-            break
-        same += 1
-    return same
-
-
-def _total(txn: lmdb.Transaction, meta: lmdb._Database) -> int:
-    raw = txn.get(b"total_bytes", db=meta)
-    assert raw is not None, "meta db lacks total_bytes: written at creation"
-    return int(_U64.unpack(raw)[0])

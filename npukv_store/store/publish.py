@@ -33,7 +33,8 @@ from npukv_store.config import StoreConfig
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.dirfd import UnsafeEntry
-from npukv_store.store.index import ChunkRecord, Index
+from npukv_store.store.index import Index
+from npukv_store.store.index_rows import ChunkRecord
 from npukv_store.store.stats import PutResult, StoreCounters
 
 logger = logging.getLogger(__name__)

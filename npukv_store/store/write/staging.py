@@ -36,7 +36,7 @@ from npukv_store.io.writer import BackgroundWriter, Event, SaveBatch
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store.directory import HOST
 from npukv_store.store.format import ChunkLayout, encode_header, layer_checksums
-from npukv_store.store.index import ChunkRecord
+from npukv_store.store.index_rows import ChunkRecord
 from npukv_store.store.publish import Publisher
 from npukv_store.store.touches import TouchRecorder
 from npukv_store.store.write.chunk_file import publish_image
