@@ -171,6 +171,9 @@ def figures(raw: dict[str, Any]) -> dict[str, Any]:
         "index_bytes_per_key": raw["index"]["index"]["in_use_bytes_per_key"],
         "open_growth_1e6_over_1e3": ratio(opens[-1]["alone_s"], opens[0]["alone_s"]),
         "open_last_of_17_over_alone": ratio(together["last_s"], together["alone_s"]),
+        "open_last_of_17_over_cpu_bound": ratio(
+            together["last_s"], together["cpu_bound_s"]
+        ),
         "rebuild_sync_over_nosync": ratio(
             maint["rebuild_sync_s"], maint["rebuild_nosync_s"]
         ),
@@ -214,6 +217,10 @@ def print_tables(data: dict[str, Any]) -> None:
     rows.append([
         f"last of {together['processes']} at {together['chunks']:.0e}",
         f"{together['last_s'] * 1e3:.1f}",
+    ])  # fmt: skip
+    rows.append([
+        f"CPU bound: {together['cpu_s'] * 1e3:.1f} ms CPU on {together['cpus']} cores",
+        f"{together['cpu_bound_s'] * 1e3:.1f}",
     ])  # fmt: skip
     print(table(("open", "ms"), rows))
     m = raw["maint"]

@@ -19,6 +19,9 @@ Steps, in this order (each also works alone):
     evict    (``--target F``) the oldest chunks, down to F of capacity
     compact  rewrite chunks whose live fraction is below ``--min-live``, and merge
              small chunks of one namespace up to ``chunk_target_size``
+    calibrate measure the disk's cold reads once per device, where
+             ``calibration.json`` has none for it (store/calibration.py): the
+             servers' first reads follow it (docs/decisions/0063)
 
 Compaction publishes like the writer: the new chunk is written to tmp/, fsynced,
 renamed into place, then one index transaction moves the rows to it and
@@ -51,7 +54,7 @@ from dataclasses import dataclass, field
 from npukv_store.config import StoreConfig
 from npukv_store.errors import ConfigError, NpuKVError
 from npukv_store.io.ring import stale_rings
-from npukv_store.store import compaction, locks, recovery
+from npukv_store.store import calibration, compaction, recovery, sessions
 from npukv_store.store.check import chunk_file_problems
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import MARKER, CacheDir
@@ -67,6 +70,10 @@ logger = logging.getLogger("npukv.maintenance")
 #: The index's address space, as every store handle reserves it by default:
 #: the least maintenance opens it with (store.sizing.recorded_map_size).
 _MAP_SIZE: int = StoreConfig.__dataclass_fields__["index_map_size"].default  # type: ignore[assignment]
+
+
+#: The scratch file the disk is measured on, once per device (a few hundred ms).
+CALIBRATION_SAMPLE = 64 << 20
 
 
 class MaintenanceBusy(NpuKVError):
@@ -109,6 +116,10 @@ class Summary:
     rings_removed: int = 0
     claims_swept: int = 0
     quarantined: int = 0
+    #: "kept" (this device's calibration was there), "measured", "busy"
+    #: (another process was measuring), "failed" (logged; constants apply),
+    #: "" (not this run's step: dry run, gc only, repairs only)
+    calibration: str = ""
     quarantined_chunks: list[str] = field(default_factory=list)
     dry_run: bool = False
     seconds: float = 0.0
@@ -195,6 +206,8 @@ def run(options: Options, progress: Progress | None = None) -> Summary:
                         dry_run=options.dry_run, tick=tick,
                     )  # fmt: skip
             publisher.forget_unlinked()
+            if options.compact and not (options.gc_only or options.dry_run):
+                summary.calibration = _calibrate(cdir)
             total, summary.chunks_after, _ = index.totals()
             summary.bytes_after = total
         finally:
@@ -202,6 +215,20 @@ def run(options: Options, progress: Progress | None = None) -> Summary:
             index.close()
     summary.seconds = round(time.monotonic() - started, 3)
     return summary
+
+
+def _calibrate(cdir: CacheDir) -> str:
+    """Measure the disk once per device (calibration.ensure). Never fails the
+    run: without a calibration the read routes fall back to the constants."""
+    if calibration.load(cdir) is not None:
+        return "kept"
+    try:
+        found = calibration.ensure(cdir, CALIBRATION_SAMPLE)
+        return "measured" if found is not None else "busy"
+    except OSError as exc:  # a full or read-only disk: constants meanwhile
+        logger.warning("calibration of %s failed (read routes from constants): %s",
+                       cdir.root, exc)  # fmt: skip
+        return "failed"
 
 
 def open_cache(path: str) -> CacheDir:
@@ -263,7 +290,7 @@ def collect_garbage(
     max_age = publisher.config.tmp_max_age_s
     # Sessions dead before the scan begins: what they left, it finds, so an
     # open no longer needs to scan for them (forgotten at the end).
-    dead_sessions = locks.dead_sessions(cdir, index)
+    dead_sessions = sessions.dead_sessions(cdir)
     tmp = cdir.garbage_tmp(max_age)
     dead = index.dead_chunks()
     scan = recovery.scan_orphans(cdir, index, max_age)
@@ -293,7 +320,9 @@ def collect_garbage(
     if missing:  # quarantined by a reader killed before its commit, or deleted
         index.remove_chunks(missing)
     recovery.forget_gone_tombstones(cdir, index)
-    index.forget_meta(dead_sessions)
+    sessions.forget_sessions(cdir, dead_sessions)
+    # records of the first form of 0059, in the index: nobody reads them now
+    index.forget_meta(index.meta_records(b"session/"))
     summary.claims_swept = publisher.claims.sweep()
 
 

@@ -54,6 +54,7 @@ from npukv_store.store.index import Index
 from npukv_store.store.permissions import act_as_owner
 from npukv_store.store.read.plan import ReadTuning, whole_chunk_plan
 from npukv_store.store.read.routes import ChunkFiles
+from npukv_store.store.sizing import recorded_map_size
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1
@@ -87,8 +88,10 @@ def open_dir(path: str) -> tuple[CacheDir, Index, StoreConfig]:
     """The directory, its index (recovered as an open does) and a default config."""
     cdir = cache_dir(path)
     config = StoreConfig(cache_dir=cdir.root)
+    # the servers' map size, not the default: a rebuild keeps their headroom
+    map_size = recorded_map_size(cdir, config.index_map_size)
     # takes .lock itself (shared; exclusive only to swap a rebuilt index in)
-    index = recovery.open_index(cdir, map_size=config.index_map_size, sync=True)
+    index = recovery.open_index(cdir, map_size=map_size, sync=True)
     return cdir, index, config
 
 
@@ -218,8 +221,9 @@ def cmd_rebuild_index(args: argparse.Namespace) -> int:
     """Rebuild the index from the chunk files' own metadata (decision 0059)."""
     cdir = cache_dir(args.cache_dir)
     config = StoreConfig(cache_dir=cdir.root)
+    map_size = recorded_map_size(cdir, config.index_map_size)
     # takes .lock itself for the swap; opens serve while its batches commit
-    index = recovery.rebuild_index(cdir, map_size=config.index_map_size, sync=True)
+    index = recovery.rebuild_index(cdir, map_size=map_size, sync=True)
     total, chunks, blocks = index.totals()
     index.close()
     print(

@@ -184,3 +184,5 @@ def _print_summary(summary: Summary) -> None:
     )
     for line in summary.quarantined_chunks:
         print(f"quarantined {printable(line)}")
+    if summary.calibration:
+        print(f"read calibration of this disk: {summary.calibration}")

@@ -26,7 +26,9 @@ Layout (docs/format.md)::
     <cache_dir>/<ns>/namespace.json       the namespace spec, human-readable
     <cache_dir>/<ns>/chunks/<id>.safetensors
     <cache_dir>/tmp/<pid>-<id>.tmp        in-flight files
-    <cache_dir>/.lock                     flock: recovery and index rebuilds
+    <cache_dir>/.lock                     flock: recovery and index rebuilds;
+                                          byte locks: signs of life (.locks)
+    <cache_dir>/sessions                  open store handles (.sessions)
     <cache_dir>/secret                    32 random bytes: the chain key's seed
 """
 
@@ -71,7 +73,7 @@ _NS_RE = re.compile(r"^[0-9a-f]{32}$")
 #: Root-level entries of the layout, checked at every open: a symlink or
 #: another user's entry there is refused (docs/caveats.md).
 ENTRY_DIRS = ("tmp", "index", "claims", "quarantine")
-ENTRY_FILES = (MARKER, ".lock", "maintenance.lock", CACHE_SECRET_FILE)
+ENTRY_FILES = (MARKER, ".lock", "sessions", "maintenance.lock", CACHE_SECRET_FILE)
 
 
 class CacheDir(DirFD):

@@ -11,11 +11,10 @@ Runs in: any process opening a store (``.lock``) and the maintenance job.
                       holder wrote into it
     shared_lock()   - the directory lock (``.lock``) taken shared: opens of an
                       index that needs no rebuild run side by side
-    begin_session() - a handle's sign of life; says whether a process died
-                      without closing (what decides an open's garbage scan)
-    lock_byte() / byte_locked() - one byte of ``.lock`` held as a process's
-                      sign of life (a session, a rebuild): the kernel drops
-                      it when the process dies, whatever its pid becomes
+    lock_byte() / byte_locked() / unlock_byte() - one byte of ``.lock`` held
+                      as a process's sign of life (a session,
+                      :mod:`.sessions`; a rebuild): the kernel drops it when
+                      the process dies, whatever its pid becomes
 
 Why byte locks for liveness, not pids: a pid is reused, differs in another
 pid namespace, and says nothing after a reboot; an open-file-description
@@ -37,18 +36,12 @@ import ctypes
 import fcntl
 import logging
 import os
-import socket
 import stat
-import struct
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from npukv_store.errors import ConfigError
 from npukv_store.store.dirfd import DirFD, check_entry
-
-if TYPE_CHECKING:
-    from npukv_store.store.index import Index
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +74,6 @@ def open_lock_file(cache: DirFD, name: str) -> int:
 REBUILD_BYTES = 1 << 40  # a rebuild's: REBUILD_BYTES + n, n < MAX_SLOTS
 SESSION_BYTES = REBUILD_BYTES + (1 << 20)  # a session's: SESSION_BYTES + slot
 MAX_SLOTS = 1 << 20
-#: Index meta records of open sessions: session/<slot u32 BE> -> "pid@host ns"
-SESSION_PREFIX = b"session/"
-_SLOT = struct.Struct(">I")
 
 
 class _Flock(ctypes.Structure):
@@ -111,6 +101,11 @@ def lock_byte(fd: int, offset: int) -> bool:
     except (BlockingIOError, PermissionError):  # EAGAIN / EACCES: held
         return False
     return True
+
+
+def unlock_byte(fd: int, offset: int) -> None:
+    """Release byte ``offset`` held through ``fd``'s description."""
+    _byte_fcntl(fd, fcntl.F_OFD_SETLK, fcntl.F_UNLCK, offset)
 
 
 def byte_locked(fd: int, offset: int) -> bool:
@@ -192,82 +187,3 @@ def lock_holder(fd: int) -> str:
         return "pid " + ", ".join(sorted(set(pids), key=int))
     written = os.pread(fd, 64, 0).decode(errors="replace").strip()
     return f"pid@host {written!r}" if written else "another process"
-
-
-class Session:
-    """A handle's sign of life: record ``session/<slot>`` in the index, and
-    byte ``SESSION_BYTES + slot`` of ``.lock`` held through ``fd`` while the
-    handle is open. A record whose byte nobody holds belongs to a process
-    that died without closing: it may have left garbage.
-
-    Attributes:
-        dead: the records of dead sessions this one found (and forgot, after
-            registering itself: if this process dies before it has scanned,
-            its own record says so to the next).
-    """
-
-    def __init__(self, index: Index, fd: int, key: bytes, value: bytes) -> None:
-        self.index, self.fd, self.key, self.value = index, fd, key, value
-        self.dead: dict[bytes, bytes] = {}
-
-    def end(self) -> None:
-        """A clean close: the record goes first, then the byte."""
-        try:
-            self.index.forget_meta({self.key: self.value})
-        finally:
-            os.close(self.fd)
-
-    def drop_after_fork(self) -> None:
-        """In a fork's child: close the inherited descriptor only. Unlocking
-        through it would release the parent's byte (they share it)."""
-        os.close(self.fd)
-
-
-def begin_session(cdir: DirFD, index: Index) -> Session:
-    """Register a handle as open (one synced meta write, a few byte locks:
-    the same cost at 10^3 chunks as at 10^7); ``dead`` says whether a scan
-    for garbage is due."""
-    fd = open_lock_file(cdir, ".lock")
-    try:
-        records = index.meta_records(SESSION_PREFIX)
-        dead = {k: v for k, v in records.items() if not _session_alive(fd, k)}
-        value = f"{os.getpid()}@{socket.gethostname()} {time.time_ns()}".encode()
-        for slot in range(MAX_SLOTS):
-            key = SESSION_PREFIX + _SLOT.pack(slot)
-            if key in records or not lock_byte(fd, SESSION_BYTES + slot):
-                continue
-            if index.add_meta(key, value):
-                break
-            # A record appeared since we read them, and its byte was free:
-            # a session that died meanwhile. Ours to scan for.
-            dead.update(index.meta_records(key))
-        else:
-            raise OSError(f"{cdir.full('.lock')}: no free session slot")
-        session = Session(index, fd, key, value)
-    except BaseException:
-        os.close(fd)
-        raise
-    if dead:
-        logger.info("%d process(es) left %s without closing", len(dead), cdir.root)
-        index.forget_meta(dead)
-    session.dead = dead
-    return session
-
-
-def dead_sessions(cdir: DirFD, index: Index) -> dict[bytes, bytes]:
-    """The session records whose process is gone (the maintenance job
-    forgets them after its scan)."""
-    fd = open_lock_file(cdir, ".lock")
-    try:
-        records = index.meta_records(SESSION_PREFIX)
-        return {k: v for k, v in records.items() if not _session_alive(fd, k)}
-    finally:
-        os.close(fd)
-
-
-def _session_alive(fd: int, key: bytes) -> bool:
-    raw = key[len(SESSION_PREFIX) :]
-    if len(raw) != _SLOT.size:
-        return False  # not a record we write: forgotten with the dead
-    slot = _SLOT.unpack(raw)[0]
-    return slot < MAX_SLOTS and byte_locked(fd, SESSION_BYTES + slot)

@@ -7,7 +7,7 @@ Runs in: a process opening a store, the maintenance job and ``npukv rebuild-inde
                         unreadable, or finish a rebuild whose process died
     rebuild_index()   - a fresh index from the chunk files' own metadata, committed
                         in batches: opens serve from it while it fills
-    (sessions: :func:`.locks.begin_session` tells an open whether a process
+    (sessions: :func:`.sessions.begin_session` tells an open whether a process
     died without closing; then, and only then, the open calls remove_garbage)
     remove_garbage()  - tmp/ files of dead writers, and orphan chunk files
 
@@ -21,9 +21,7 @@ Only a process that had the store open can leave them, so an open scans only
 when a session record's process is gone (docs/decisions/0059); the maintenance
 job (``npukv gc``) scans always.
 
-Meta records of the index (docs/format.md section 5):
-    session/<slot u32 BE>  "<pid>@<host> <opened ns>": a handle is open; alive
-                           while byte SESSION_BYTES + slot of .lock is held
+The meta record of the index this module writes (docs/format.md section 5):
     rebuild                "<byte> <pid>@<host>": a rebuild is filling this index;
                            its process holds that byte of .lock. While it exists
                            no chunk file is an orphan (it may be next in line)
@@ -43,7 +41,8 @@ from npukv_store.store.directory import HOST, CacheDir, creator_alive
 from npukv_store.store.dirfd import UnsafeEntry
 from npukv_store.store.format import META_CREATED_NS, META_CREATOR
 from npukv_store.store.format_checks import parse_header
-from npukv_store.store.index import ChunkRecord, Index
+from npukv_store.store.index import Index
+from npukv_store.store.index_rows import ChunkRecord
 from npukv_store.store.locks import (
     MAX_SLOTS,
     REBUILD_BYTES,

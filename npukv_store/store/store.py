@@ -40,12 +40,12 @@ from npukv_store.store import recovery
 from npukv_store.store.arrays import input_rows, merge_reads
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import CacheDir
-from npukv_store.store.index import ChunkRecord
-from npukv_store.store.locks import begin_session
+from npukv_store.store.index_rows import ChunkRecord
 from npukv_store.store.page_cache import PageCache
 from npukv_store.store.publish import Publisher
 from npukv_store.store.read.plan import ChunkReadPlan, ReadTuning
 from npukv_store.store.read.reader import ChunkReader
+from npukv_store.store.sessions import begin_session
 from npukv_store.store.stats import PutResult, StoreCounters, StoreStats
 from npukv_store.store.touches import TouchRecorder
 from npukv_store.store.write.chunk_file import write_chunk
@@ -118,14 +118,14 @@ class KVStore:
                 remote_insecure=self.config.remote_insecure,
             )
         # No step here grows with the store (docs/decisions/0059): the index
-        # opens under .lock shared, a session record says we are open, and
+        # opens under .lock shared, a record in sessions says we are open, and
         # the directory is scanned for garbage only when a session's process
         # died without closing, or a rebuild ran (the scan is then ours
         # alone, outside any lock: other processes open meanwhile).
         self.index, rebuilt = recovery.open_index_reporting(
             self.dir, map_size=self.config.index_map_size, sync=self._sync
         )
-        self._session = begin_session(self.dir, self.index)
+        self._session = begin_session(self.dir)
         self.dir.ensure_namespace(self.namespace, self.spec.canonical_json())
         self.claims = ClaimTable(self.dir.claims_path, access=self.dir.access)
         if rebuilt or self._session.dead:

@@ -2,7 +2,8 @@
 (tmp written, renamed but not committed, inside the replace transaction,
 committed but the old files not unlinked), eviction (inside its transaction,
 before its unlinks), quarantine (file moved, rows not yet dropped) and the
-garbage step (between two unlinks).
+garbage step (between two unlinks), and ``--rebuild-index`` between two of its
+batches.
 
 A child runs ``maintenance.run`` with one function wrapped to SIGKILL the
 child exactly there. Afterwards, from fresh handles: every block stored before
@@ -49,6 +50,11 @@ WINDOWS = {
         "npukv_store.store.index:Index", "remove_chunks", "before", 1,
     ),
     "gc-kill-between-unlinks": ("os", "unlink", "after", 1),
+    # batches of one chunk (the child sets REBUILD_BATCH = 1): dies after the
+    # first batch committed, before the second
+    "rebuild-kill-between-batches": (
+        "npukv_store.store.index:Index", "commit_rebuilt", "before", 2,
+    ),
 }  # fmt: skip
 
 for _name, _promise_fault in {
@@ -62,6 +68,8 @@ for _name, _promise_fault in {
     "quarantine-kill-moved-not-dropped": "--verify moved a corrupt chunk to "
     "quarantine/, its rows not yet dropped",
     "gc-kill-between-unlinks": "the garbage step between two orphan unlinks",
+    "rebuild-kill-between-batches": "--rebuild-index between two synced batches "
+    "of its aside index (the next open takes the rebuild over)",
 }.items():
     kind(
         _name,
@@ -74,6 +82,8 @@ for _name, _promise_fault in {
 CHILD = """
 import os, signal, importlib
 from npukv_store.maintenance import Options, run
+from npukv_store.store import recovery
+recovery.REBUILD_BATCH = 1  # several batches out of a few chunks
 module_path, attr, when, after = WINDOW
 module_name, _, cls = module_path.partition(":")
 owner = importlib.import_module(module_name)
@@ -142,6 +152,8 @@ def _options(name: str) -> dict[str, object]:
         return {"verify": True}
     if name.startswith("gc"):
         return {"gc_only": True}
+    if name.startswith("rebuild"):
+        return {"rebuild_index": True, "gc_only": True}
     return {"min_live": 1.0}
 
 

@@ -23,6 +23,7 @@ from npukv_store.store.index import Index
 REQUIRED = (
     "lookup_growth_1e7_over_1e4", "evict_commit_growth_1e7_over_1e4",
     "open_growth_1e6_over_1e3", "open_last_of_17_over_alone",
+    "open_last_of_17_over_cpu_bound",
     "rebuild_sync_over_nosync", "mla_disk_bytes_over_hit_bytes_4_workers",
     "match_16ns_over_1ns", "match_retry_lookups", "index_bytes_per_key",
 )  # fmt: skip

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from npukv_store import KVStore, StoreConfig
+from npukv_store import KVStore, StoreConfig, maintenance
 from npukv_store.cli import main as npukv
 from npukv_store.cli import render, reports
 from npukv_store.store import calibration
@@ -79,6 +79,31 @@ def test_ensure_measures_once_and_not_while_another_process_measures(tmp_path):
     first = calibration.ensure(cdir, SAMPLE)
     assert first is not None
     assert calibration.ensure(cdir, SAMPLE) == first  # loaded, not measured again
+
+
+def test_maintenance_measures_once_per_device(tmp_path, monkeypatch):
+    """The maintenance job calibrates a disk that has no calibration, keeps
+    one of this device, and measures again once the cache is on another."""
+    monkeypatch.setattr(maintenance, "CALIBRATION_SAMPLE", SAMPLE)
+    root = str(tmp_path / "cache")
+    with KVStore(StoreConfig(cache_dir=root), aligned_spec()):
+        pass
+    options = maintenance.Options(cache_dir=root, ring_dir=str(tmp_path))
+    assert maintenance.run(options).calibration == "measured"
+    cdir = opened(root)
+    first = calibration.load(cdir)
+    assert first is not None
+    assert first.sample_bytes == SAMPLE
+    assert maintenance.run(options).calibration == "kept"
+    assert calibration.load(cdir) == first
+    moved = Calibration(**{**first.__dict__, "device": "8:99/1"})
+    calibration.save(cdir, moved)  # as if the directory moved to another disk
+    assert maintenance.run(options).calibration == "measured"
+    again = calibration.load(cdir)
+    assert again is not None
+    assert again.measured_ns > first.measured_ns
+    gc_only = maintenance.Options(cache_dir=root, ring_dir=str(tmp_path), gc_only=True)
+    assert maintenance.run(gc_only).calibration == ""  # gc never measures
 
 
 @given(

@@ -7,7 +7,8 @@ commits in batches while other processes open and serve
 * A process that dies with the store open (its byte of ``.lock`` released by
   the kernel) is found by the next open, which scans once and forgets it.
 * Session liveness is the byte lock, not the pid: a live holder is alive, a
-  record in a slot nobody holds (or of a format we never write) is dead.
+  record in a slot nobody holds (or of a format we never write) is dead,
+  and so is one written into a slot between our read and our lock.
 * A rebuild paused between batches (a live child) does not keep another
   process from opening: that open, with a 2 s lock bound, serves the batch
   already committed and leaves the rebuild to its owner.
@@ -25,11 +26,16 @@ import pytest
 
 from npukv_store import KVStore, StoreConfig
 from npukv_store.maintenance import Options, run
-from npukv_store.store import recovery
+from npukv_store.store import recovery, sessions
 from npukv_store.store.directory import HOST, CacheDir
 from npukv_store.store.format import build_chunk
 from npukv_store.store.index import Index
-from npukv_store.store.locks import SESSION_PREFIX, begin_session, dead_sessions
+from npukv_store.store.sessions import (
+    SESSIONS_FILE,
+    SLOT_BYTES,
+    begin_session,
+    dead_sessions,
+)
 from tests.support.blocks import block_tensors, empty_blocks, tiny_spec, verify_read
 from tests.support.chunks import chunk_files
 
@@ -154,13 +160,17 @@ def test_gc_forgets_dead_sessions(tmp_path):
     _kill(child)
     cdir = CacheDir.for_config(config)
     cdir.open()
-    index = recovery.open_index(cdir, map_size=config.index_map_size, sync=False)
+    assert len(dead_sessions(cdir)) == 1
+    run(Options(cache_dir=config.cache_dir, gc_only=True, ring_dir=str(tmp_path)))
+    assert dead_sessions(cdir) == {}
+
+
+def _write_slot(cdir: CacheDir, slot: int, raw: bytes) -> None:
+    fd = cdir.open_file(SESSIONS_FILE, os.O_WRONLY)
     try:
-        assert len(dead_sessions(cdir, index)) == 1
-        run(Options(cache_dir=config.cache_dir, gc_only=True, ring_dir=str(tmp_path)))
-        assert dead_sessions(cdir, index) == {}
+        os.pwrite(fd, raw.ljust(SLOT_BYTES, b"\0"), slot * SLOT_BYTES)
     finally:
-        index.close()
+        os.close(fd)
 
 
 def test_session_slots_are_distinct_and_liveness_is_the_byte(tmp_path):
@@ -168,31 +178,51 @@ def test_session_slots_are_distinct_and_liveness_is_the_byte(tmp_path):
     KVStore(config, tiny_spec()).close()
     cdir = CacheDir.for_config(config)
     cdir.open()
-    index = recovery.open_index(cdir, map_size=config.index_map_size, sync=False)
+    opened = [begin_session(cdir) for _ in range(5)]
+    assert sorted(s.slot for s in opened) == [0, 1, 2, 3, 4]
+    assert dead_sessions(cdir) == {}
+    # A record in a slot nobody holds, and one of a shape never written:
+    _write_slot(cdir, 900, b"S1@h 0")
+    _write_slot(cdir, 7, b"junk")
+    opened[2].lock_fd, fd = os.dup(opened[2].lock_fd), opened[2].lock_fd
+    os.close(fd)  # the dup keeps the description: still alive
+    another = begin_session(cdir)
+    assert another.dead == {900: b"1@h 0", 7: b"junk"}
+    assert another.slot == 5  # the lowest slot with no record and a free byte
+    assert dead_sessions(cdir) == {}  # forgotten once found
+    for session in [*opened, another]:
+        session.end()
+    with open(cdir.full(SESSIONS_FILE), "rb") as handle:
+        assert set(handle.read()) == {0}  # every record cleared
+
+
+def test_a_session_that_died_in_a_slot_just_read_as_free_is_dead(tmp_path, monkeypatch):
+    """A slot free when the file was read, written by a process that then
+    died before this open locked its byte: found dead, not taken."""
+    config = StoreConfig(cache_dir=str(tmp_path / "c"))
+    KVStore(config, tiny_spec()).close()
+    cdir = CacheDir.for_config(config)
+    cdir.open()
+    real = sessions._read_records
+
+    def read_then_race(fd: int) -> dict[int, bytes]:
+        found = real(fd)
+        _write_slot(cdir, 0, b"S4@h 1")  # slot 0 taken and its taker dead
+        return found
+
+    monkeypatch.setattr(sessions, "_read_records", read_then_race)
+    session = begin_session(cdir)
     try:
-        sessions = [begin_session(cdir, index) for _ in range(5)]
-        assert len({s.key for s in sessions}) == 5
-        assert len(index.meta_records(SESSION_PREFIX)) == 5
-        # A record in a slot nobody holds, and one of a shape never written:
-        index.add_meta(SESSION_PREFIX + (900).to_bytes(4, "big"), b"1@h 0")
-        index.add_meta(SESSION_PREFIX + b"junk", b"?")
-        sessions[2].fd, fd = os.dup(sessions[2].fd), sessions[2].fd
-        os.close(fd)  # the dup keeps the description: still alive
-        another = begin_session(cdir, index)
-        assert set(another.dead) == {
-            SESSION_PREFIX + (900).to_bytes(4, "big"),
-            SESSION_PREFIX + b"junk",
-        }
-        for session in [*sessions, another]:
-            session.end()
-        assert index.meta_records(SESSION_PREFIX) == {}
+        assert session.slot == 1
+        assert session.dead == {0: b"4@h 1"}
+        assert dead_sessions(cdir) == {}
     finally:
-        index.close()
+        session.end()
 
 
 REBUILD_PAUSED = """
 import os, sys, time
-from npukv_store.store import recovery
+from npukv_store.store import recovery, sessions
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.index import Index
 recovery.REBUILD_BATCH = int(sys.argv[2])

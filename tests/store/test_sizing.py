@@ -1,11 +1,13 @@
-"""The maintenance job opens the index with the map size the servers use (the
-largest LMDB recorded in the file), never less than the default."""
+"""The maintenance job and the ``npukv`` commands open the index with the map
+size the servers use (the largest LMDB recorded in the file), never less than
+the default."""
 
 from __future__ import annotations
 
 import pytest
 
 from npukv_store import KVStore, StoreConfig, maintenance
+from npukv_store.cli import main as npukv
 from npukv_store.store import recovery
 from npukv_store.store.sizing import recorded_map_size
 from tests.support.blocks import block_tensors, tiny_spec
@@ -46,6 +48,25 @@ def test_maintenance_opens_the_index_with_the_servers_map_size(
 
 class _Opened(Exception):
     pass
+
+
+@pytest.mark.parametrize("command", ["stats", "verify", "rebuild-index"])
+def test_the_cli_opens_the_index_with_the_servers_map_size(
+    tmp_path, monkeypatch, command
+):
+    root = tmp_path / "cache"
+    _serve(root, 16 * GIB)
+    seen = []
+
+    def spy(cdir, *, map_size, sync):
+        seen.append(map_size)
+        raise _Opened
+
+    monkeypatch.setattr(recovery, "open_index", spy)
+    monkeypatch.setattr(recovery, "rebuild_index", spy)
+    with pytest.raises(_Opened):
+        npukv([command, str(root)])
+    assert seen == [16 * GIB]
 
 
 def test_no_index_yet_is_the_default(tmp_path):
