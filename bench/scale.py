@@ -154,6 +154,12 @@ def figures(raw: dict[str, Any]) -> dict[str, Any]:
         "evict_commit_growth_1e7_over_1e4": ratio(
             last["warm"]["evict_commit_us"], first["warm"]["evict_commit_us"]
         ),
+        "evict_commit_pages_1e7_over_1e4": ratio(
+            last["warm"]["evict_commit_pages"], first["warm"]["evict_commit_pages"]
+        ),
+        "commit_growth_1e7_over_1e4": ratio(
+            last["warm"]["commit_us"], first["warm"]["commit_us"]
+        ),
         "claim_growth_1e7_over_1e4": ratio(
             last["warm"]["claim_release_us"], first["warm"]["claim_release_us"]
         ),
@@ -262,6 +268,7 @@ def print_tables(data: dict[str, Any]) -> None:
                 "_over_1e4",
                 "_over_1e3",
                 "_over_alone",
+                "_over_cpu_bound",
                 "_over_nosync",
                 "_workers",
                 "_over_1ns",
