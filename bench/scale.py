@@ -18,7 +18,7 @@ absolute times are noisy; the growth is the point, issue 27):
 
 Indexes are bulk-built (bench/scale_fill.py); the open case's chunks are
 index records without data files, the maintenance case's real tiny files.
-``--quick`` (CI, a few minutes on 2 cores) and ``--sizes tiny`` (the tests)
+``--quick`` (CI: about 30 s on 2 cores, in tests/harness) and ``--sizes tiny``
 shrink the largest sizes; the JSON's ``sizes`` says which ran, and the ratio
 keys keep their names (``sizes`` says what they compare). Run: ``python -m
 bench scale [--quick] [--sizes full|quick|tiny] [--json PATH] [--dir PATH]``.
@@ -78,7 +78,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--sizes", choices=sorted(SIZES),
-        help=f"full, quick (--quick) or tiny (tests; also ${SIZES_ENV})",
+        help=f"full, quick (--quick; CI) or tiny (also ${SIZES_ENV})",
     )  # fmt: skip
 
 

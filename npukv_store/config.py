@@ -7,6 +7,11 @@ Values come from vLLM's ``kv_connector_extra_config`` (a dict of strings, number
 and bools) or from keyword arguments. Unknown keys and bad values raise one
 :class:`~npukv_store.errors.ConfigError` that names the key, what was found and
 what was expected.
+
+Over 400 lines because it is the configuration reference: one dataclass
+whose every field carries its unit, default and why (docs/configuration.md
+is generated from it, :mod:`.config_reference`); splitting it would split
+that reference.
 """
 
 from __future__ import annotations

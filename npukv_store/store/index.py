@@ -26,6 +26,9 @@ Databases (keys and values are fixed-layout bytes: :mod:`.index_rows`):
 
 The index is a cache of what the chunk files say; :mod:`.recovery` rebuilds it.
 Why LMDB and not SQLite: docs/decisions/0001 (measured 256-key lookups and commits).
+Over 400 lines because each write is one LMDB transaction, so each lives in
+one method of the one class that holds the environment; the bytes of the
+rows are in :mod:`.index_rows`.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ partial chunk. Reads treat any doubt (missing file, short read, bad header, key
 or checksum mismatch) as a miss for the affected blocks: the caller recomputes.
 What is *not* guaranteed: a lookup hit can turn into a read miss if another
 process evicts the chunk in between.
+
+Over 400 lines because it is the package's public class: its methods are
+short delegations to :mod:`.publish`, :mod:`.read`, :mod:`.write` and
+:mod:`.recovery`, each with the API's documentation.
 """
 
 from __future__ import annotations

@@ -30,10 +30,15 @@ import hashlib
 import os
 import random
 import signal
+import subprocess
+import sys
 
 import pytest
 
 from npukv_store import KVStore, StoreConfig
+from npukv_store.maintenance import Options, run
+from npukv_store.store import recovery
+from npukv_store.store.index import Index
 from tests.support.blocks import block_tensors, empty_blocks, verify_read
 from tests.support.chunks import chunk_files
 from tests.support.scenarios.crash import (
@@ -171,33 +176,35 @@ recovery.rebuild_index(cdir, map_size=1 << 30, sync=True)
 """
 
 
+def _stored_then_rebuild_killed(
+    root: str, fsync: str, chunks: int, batch: int, killed_at: int
+) -> tuple[StoreConfig, list[list[bytes]]]:
+    """``chunks`` one-chunk puts, then a rebuild in batches of ``batch``
+    chunks SIGKILLed before its ``killed_at``-th batch; the config and the
+    keys of each chunk."""
+    config = StoreConfig(cache_dir=root, fsync=fsync)
+    with KVStore(config, SPEC) as store:
+        batches = [_distinct_keys(n) for n in range(chunks)]
+        for keys in batches:
+            store.put(keys, block_tensors(SPEC, keys))
+    done = subprocess.run(
+        [sys.executable, "-c", REBUILD_KILLED, root, str(batch), str(killed_at)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    return config, batches
+
+
 @pytest.mark.timeout(120)
 def test_sigkill_during_a_batched_rebuild_loses_nothing(tmp_path):
     """A rebuild (batches of 3 chunks) SIGKILLed before its third batch: the
     two batches it committed stay published, no chunk file is deleted while
     its mark stands (a gc finds no orphan in a half-built index), and the
     next open finishes the job: every stored key reads back exact."""
-    import subprocess
-    import sys
-
-    from npukv_store.maintenance import Options, run
-    from npukv_store.store import recovery
-    from npukv_store.store.index import Index
-
-    spec = SPEC
     root = str(tmp_path / "cache")
-    config = StoreConfig(cache_dir=root, fsync="chunk")
-    with KVStore(config, spec) as store:
-        batches = [_distinct_keys(n) for n in range(10)]
-        for keys in batches:
-            store.put(keys, block_tensors(spec, keys))
+    config, batches = _stored_then_rebuild_killed(root, "chunk", 10, 3, 3)
     files = set(chunk_files(root).values())
     assert len(files) == 10
-    done = subprocess.run(
-        [sys.executable, "-c", REBUILD_KILLED, root, "3", "3"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == -signal.SIGKILL, done.stderr
     index = Index(os.path.join(root, "index"), map_size=1 << 30, sync=False)
     try:
         assert len(list(index.iter_chunks())) == 6  # two batches published
@@ -208,35 +215,21 @@ def test_sigkill_during_a_batched_rebuild_loses_nothing(tmp_path):
     # finishes the rebuild on open, and deletes no chunk file.
     run(Options(cache_dir=root, gc_only=True, ring_dir=str(tmp_path)))
     assert set(chunk_files(root).values()) == files
-    with KVStore(config, spec) as store:
+    with KVStore(config, SPEC) as store:
         assert store.index.meta_records(recovery.REBUILD_MARK) == {}
         for keys in batches:
-            out = empty_blocks(spec, len(keys))
-            assert verify_read(spec, keys, out, store.read(keys, out)) == []
+            out = empty_blocks(SPEC, len(keys))
+            assert verify_read(SPEC, keys, out, store.read(keys, out)) == []
         assert store.check(verify_data=True) == []
 
 
 @pytest.mark.timeout(120)
 def test_a_rebuild_killed_then_opened_is_finished_by_the_opener(tmp_path):
     """The same kill, then a store open (not gc) takes the rebuild over."""
-    import subprocess
-    import sys
-
-    from npukv_store.store import recovery
-
-    spec = SPEC
-    root = str(tmp_path / "cache")
-    config = StoreConfig(cache_dir=root, fsync="never")
-    with KVStore(config, spec) as store:
-        batches = [_distinct_keys(n) for n in range(7)]
-        for keys in batches:
-            store.put(keys, block_tensors(spec, keys))
-    done = subprocess.run(
-        [sys.executable, "-c", REBUILD_KILLED, root, "2", "2"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == -signal.SIGKILL, done.stderr
-    with KVStore(config, spec) as store:
+    config, batches = _stored_then_rebuild_killed(
+        str(tmp_path / "cache"), "never", 7, 2, 2
+    )
+    with KVStore(config, SPEC) as store:
         assert store.index.meta_records(recovery.REBUILD_MARK) == {}
         for keys in batches:
             assert store.lookup(keys) == len(keys)
