@@ -12,9 +12,10 @@ table. Two kinds of group are served:
              request null blocks (id 0) below that and frees them as the window
              moves (SlidingWindowManager.get_num_skipped_tokens)
 
-Any other kind (Mamba and linear attention, chunked local attention, cross
-attention, ...) has no block-wise hit that this store can serve; ``classify``
-refuses it by name. vllm-ascend gives every MLA layer its own subclass,
+Which vLLM spec class is which kind, and why every other class (Mamba and
+linear attention, chunked local attention, cross attention, ...) is refused,
+is :mod:`.spec_classes`; ``classify`` checks every layer of a group against
+it. vllm-ascend gives every MLA layer its own subclass,
 ``AscendMLAAttentionSpec``: served as MLA full attention only in the form that
 is plain MLA (see ``ascend_mla_mismatch``).
 
@@ -29,37 +30,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+from npukv_store.connector.spec_classes import (
+    SPEC_CLASSES,
+    GroupKind,
+    field_mismatch,
+)
 from npukv_store.errors import UnsupportedSetup
-
-GroupKind = Literal["full", "sliding"]
-
-#: vLLM KV cache spec classes by kind. By name, not isinstance: subclasses
-#: such as RSWASpec or HiddenStateCacheSpec free or reuse blocks in other ways
-#: and must be refused until someone checks them.
-_KINDS: dict[str, GroupKind] = {
-    "FullAttentionSpec": "full",
-    "MLAAttentionSpec": "full",
-    "SlidingWindowSpec": "sliding",
-    "SlidingWindowMLASpec": "sliding",
-}
 
 #: vllm-ascend's spec for every MLA layer (core/kv_cache_interface.py:28 in
 #: 0.23.0.post1); full attention (CompressAttentionManager) only when plain
 ASCEND_MLA = "AscendMLAAttentionSpec"
-
-#: MLA-like spec classes refused whatever their fields, and why
-_REFUSED: dict[str, str] = {
-    "AscendSlidingWindowMLASpec": (
-        "DeepSeek V4's sliding-window MLA cache (vllm-ascend), which comes "
-        "with compressed and sparse MLA groups; its layout is not checked"
-    ),
-    "HiddenStateCacheSpec": (
-        "a cache-only layer of hidden states for speculative decoding "
-        "(extract_hidden_states), not attention KV; not checked"
-    ),
-}
 
 
 def classify(
@@ -71,39 +53,62 @@ def classify(
     """The kind of a KV cache group whose spec is of class ``spec_class``.
 
     Args:
-        specs: the group's spec objects (one per layer, or the group's one);
-            read only for ``AscendMLAAttentionSpec``, whose fields decide.
+        specs: the group's spec objects (one per layer, or the group's one).
+            Every one is checked: its class must be served, of the group's
+            kind, and in its served form (:func:`.spec_classes.field_mismatch`;
+            for ``AscendMLAAttentionSpec`` :func:`ascend_mla_mismatch`).
 
     Raises:
-        UnsupportedSetup: a kind without a block-wise hit (Mamba, linear
-            attention, ...), or an MLA variant that is not plain MLA, named
-            with the group and one of its layers.
+        UnsupportedSetup: a class refused by name (:data:`SPEC_CLASSES`, or
+            none listed), or a served class in another form, named with the
+            group and one of its layers, in one line.
     """
     first = layer_names[0] if layer_names else "no layers"
     where = (
         f"KV cache group {group_index} is {spec_class} ({len(layer_names)} "
         f"layer(s), e.g. {first})"
     )
-    if spec_class in _REFUSED:
-        raise UnsupportedSetup(f"{where}: {_REFUSED[spec_class]}")
-    if spec_class == ASCEND_MLA:
-        reasons = [ascend_mla_mismatch(spec) for spec in specs] or ["no spec given"]
-        bad = next((r for r in reasons if r), "")
-        if bad:
+    kind = _served_kind(spec_class, where)
+    if spec_class == ASCEND_MLA and not specs:
+        raise UnsupportedSetup(f"{where}, not plain MLA: no spec given")
+    names = list(layer_names) if len(specs) == len(layer_names) else [first]
+    names *= 1 if len(names) == len(specs) else len(specs)
+    for name, spec in zip(names, specs, strict=True):
+        own = type(spec).__name__
+        here = where
+        if own != spec_class:  # a per-layer group of several classes
+            here = f"KV cache group {group_index} holds {own} (layer {name})"
+            here += f" beside {spec_class}"
+        if _served_kind(own, here) != kind:
             raise UnsupportedSetup(
-                f"{where}, not plain MLA: {bad}; only AscendMLAAttentionSpec "
-                "with compress_ratio 1, no sparse or scale part and the "
-                "nope + rope page is served"
+                f"{here}: layers of one group must be one kind, found "
+                f"{_served_kind(own, here)} and {kind}"
             )
-        return "full"
-    kind = _KINDS.get(spec_class)
-    if kind is None:
-        raise UnsupportedSetup(
-            f"{where}; expected full or sliding-window attention. "
-            "A hit on such a group needs the layer's recurrent or chunk state at "
-            "the hit's end, which is not a run of KV blocks"
-        )
+        if own == ASCEND_MLA:
+            bad = ascend_mla_mismatch(spec)
+            if bad:
+                raise UnsupportedSetup(
+                    f"{here}, not plain MLA: {bad}; only AscendMLAAttentionSpec "
+                    "with compress_ratio 1, no sparse or scale part and the "
+                    "nope + rope page is served"
+                )
+        bad = field_mismatch(own, spec)
+        if bad:
+            raise UnsupportedSetup(f"{here}: {bad}")
     return kind
+
+
+def _served_kind(spec_class: str, where: str) -> GroupKind:
+    rule = SPEC_CLASSES.get(spec_class)
+    if rule is None:
+        raise UnsupportedSetup(
+            f"{where}: a spec class this connector has not checked; expected "
+            f"one of {', '.join(k for k, r in SPEC_CLASSES.items() if r.kind)} "
+            "(docs/vllm.md lists every class and why)"
+        )
+    if rule.kind is None:
+        raise UnsupportedSetup(f"{where}: {rule.why}")
+    return rule.kind
 
 
 def ascend_mla_mismatch(spec: Any) -> str:

@@ -93,10 +93,12 @@ def test_an_ascend_mla_page_other_than_nope_plus_rope_is_refused():
     padded or packed page of some later vllm-ascend) is not plain MLA."""
     plain = ascend_mla()
     assert ascend_mla_mismatch(plain) == ""
-    padded = SimpleNamespace(
-        **{f.name: getattr(plain, f.name) for f in fields(plain)},
-        page_size_bytes=plain.page_size_bytes + 64,
+    bigger = property(lambda self: plain.page_size_bytes + 64)
+    # the same class name (what classify reads), with a larger page
+    padded_class = type(
+        type(plain).__name__, (type(plain),), {"page_size_bytes": bigger}
     )
+    padded = padded_class(**{f.name: getattr(plain, f.name) for f in fields(plain)})
     reason = ascend_mla_mismatch(padded)
     assert reason.startswith(f"page_size_bytes={plain.page_size_bytes + 64}, expected")
     with pytest.raises(UnsupportedSetup, match="page_size_bytes="):

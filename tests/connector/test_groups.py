@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from npukv_store.connector.groups import KVGroup, blocks_to_save, classify, hit_end
+from npukv_store.connector.spec_classes import SPEC_CLASSES
 from npukv_store.errors import UnsupportedSetup
 
 BS = 4
@@ -116,4 +117,11 @@ def test_classify_refuses_other_groups_by_name(spec_class):
     with pytest.raises(UnsupportedSetup, match=f"group 2 is {spec_class}") as info:
         classify(spec_class, 2, ["model.layers.0.linear_attn", "model.layers.1.x"])
     assert "model.layers.0.linear_attn" in str(info.value)
-    assert "expected full or sliding-window attention" in str(info.value)
+    assert SPEC_CLASSES[spec_class].why in str(info.value)
+
+
+def test_classify_refuses_a_class_it_has_not_checked():
+    with pytest.raises(UnsupportedSetup, match="has not checked") as info:
+        classify("FancyNewSpec", 1, ["model.layers.3.attn"])
+    assert "group 1 is FancyNewSpec" in str(info.value)
+    assert "model.layers.3.attn" in str(info.value)

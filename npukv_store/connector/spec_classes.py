@@ -1,0 +1,159 @@
+"""Every KV cache spec class of vLLM 0.23, 0.32 and 0.33 and of vllm-ascend
+0.23.0.post1, by name: served as full or sliding-window attention, or refused
+with the reason (docs/vllm.md, "KV cache spec classes", is this table).
+
+Runs in: EngineCore and every Worker (through :mod:`.groups`). Pure data and
+field checks over duck-typed spec objects: no vLLM import.
+
+    SPEC_CLASSES    - class name -> SpecRule (the kind served, or why not)
+    field_mismatch()  - why a spec of a served class is not in its served form
+
+By name, not isinstance: a subclass (RSWASpec of FullAttentionSpec,
+HiddenStateCacheSpec of MLAAttentionSpec) frees or reuses blocks in its own
+way, so it is served only once it has been read and listed here. A class
+not listed (a later vLLM's) is refused with one line naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+GroupKind = Literal["full", "sliding"]
+
+_ALL = "0.23, 0.32, 0.33"
+
+
+@dataclass(frozen=True, slots=True)
+class SpecRule:
+    """How the connector treats one spec class."""
+
+    kind: GroupKind | None  # None: refused
+    versions: str  # where the class exists ("ascend": vllm-ascend 0.23.0.post1)
+    why: str  # served: what it reduces to; refused: the reason, for the log line
+
+
+SPEC_CLASSES: dict[str, SpecRule] = {
+    "FullAttentionSpec": SpecRule(
+        "full",
+        _ALL,
+        "full attention: a hit at block e needs blocks [0, e); refused with "
+        "non_causal=True (a prefix LM: a prompt token's KV depends on later "
+        "tokens, and vLLM turns prefix caching off)",
+    ),
+    "MLAAttentionSpec": SpecRule(
+        "full",
+        _ALL,
+        "MLA full attention, one latent page per block (also DeepSeek-V3.2's "
+        "indexer cache on vLLM, an MLAAttentionSpec in the same group: stored "
+        "and loaded with the latent, in the same chunk rows)",
+    ),
+    "TQFullAttentionSpec": SpecRule(
+        "full",
+        "0.23",
+        "full attention with TurboQuant pages (FullAttentionManager; pages are "
+        "opaque bytes, the spec class is part of the namespace)",
+    ),
+    "SinkFullAttentionSpec": SpecRule(
+        "full",
+        _ALL,
+        "full attention: the sink tokens sit in fixed blocks that are in no "
+        "request's block table; a request's own blocks are full attention's",
+    ),
+    "AscendMLAAttentionSpec": SpecRule(
+        "full",
+        "ascend",
+        "MLA full attention in its plain form only: compress_ratio 1, no "
+        "sparse or scale part, the nope + rope page (groups.ascend_mla_mismatch)",
+    ),
+    "SlidingWindowSpec": SpecRule(
+        "sliding",
+        _ALL,
+        "a hit needs the window's tail: window - 1 + extra_retained_tokens "
+        "tokens before its end",
+    ),
+    "SlidingWindowMLASpec": SpecRule(
+        "sliding",
+        _ALL,
+        "as SlidingWindowSpec; refused with bounded_replay=True (vLLM replays "
+        "the window instead of caching it)",
+    ),
+    "ChunkedLocalAttentionSpec": SpecRule(
+        None,
+        _ALL,
+        "chunked local attention (Llama 4): a hit needs the blocks from its "
+        "chunk's start, a tail aligned to attention_chunk_size that no "
+        "end-to-end test here has checked yet",
+    ),
+    "RSWASpec": SpecRule(
+        None,
+        "0.32, 0.33",
+        "a generated token's KV depends on where the prompt ended (it sees the "
+        "prompt and the last rswa_window generated tokens), and vLLM frees a "
+        "middle gap of blocks: not a function of the token prefix",
+    ),
+    "CircularBufferSpec": SpecRule(
+        None,
+        "0.32, 0.33",
+        "one ring block per request, never prefix-cached (prefix_cacheable "
+        "is False): per-request scratch, not KV blocks of a prefix",
+    ),
+    "MambaSpec": SpecRule(
+        None,
+        _ALL,
+        "Mamba or linear-attention state (Qwen3-Next, Qwen3.5, Nemotron-H, "
+        "Jamba, ...): a hit needs the recurrent state at its end, not a run of "
+        "KV blocks; not served yet",
+    ),
+    "HiSparseHotSpec": SpecRule(
+        None,
+        "0.32, 0.33",
+        "HiSparse's hot buffer: blocks in a host pool with block ids of its "
+        "own, and vLLM marks the group enable_kv_transfer=False",
+    ),
+    "HiSparseResidentSpec": SpecRule(
+        None,
+        "0.32, 0.33",
+        "HiSparse's resident buffer: as HiSparseHotSpec",
+    ),
+    "HiddenStateCacheSpec": SpecRule(
+        None,
+        _ALL,
+        "a cache-only layer of hidden states for speculative decoding "
+        "(extract_hidden_states), not attention KV; not checked",
+    ),
+    "EncoderOnlyAttentionSpec": SpecRule(
+        None,
+        _ALL,
+        "encoder-only attention holds no KV between steps (vLLM adds these "
+        "layers after the connector starts; refused if one is ever seen)",
+    ),
+    "CrossAttentionSpec": SpecRule(
+        None,
+        _ALL,
+        "cross-attention KV is the encoder's output, not a prefix of the "
+        "prompt, and vLLM never prefix-caches it",
+    ),
+    "AscendSlidingWindowMLASpec": SpecRule(
+        None,
+        "ascend",
+        "DeepSeek V4's sliding-window MLA cache (vllm-ascend), which comes "
+        "with compressed and sparse MLA groups; its layout is not checked",
+    ),
+}
+
+#: A group that holds layers of several classes: each layer is checked
+#: (namespace.py unwraps it), so it is in no row of its own.
+PER_LAYER_WRAPPER = "UniformTypeKVCacheSpecs"
+
+
+def field_mismatch(spec_class: str, spec: Any) -> str:
+    """Why ``spec`` (of a served class) is not in the form that is served;
+    "" when it is. Fields a version lacks read as their plain defaults."""
+    if getattr(spec, "non_causal", False):
+        return "non_causal=True, expected False (a prefix LM's KV is not a prefix's)"
+    if getattr(spec, "bounded_replay", False):
+        return "bounded_replay=True, expected False (vLLM replays, not caches, it)"
+    if getattr(spec, "prefix_cacheable", True) is False:
+        return "prefix_cacheable=False, expected True (vLLM does not cache it)"
+    return ""
