@@ -16,11 +16,11 @@ Which vLLM spec class is which kind, and why every other class (Mamba and
 linear attention, chunked local attention, cross attention, ...) is refused,
 is :mod:`.spec_classes`; ``classify`` checks every layer of a group against
 it. vllm-ascend gives every MLA layer its own subclass,
-``AscendMLAAttentionSpec``: served as MLA full attention only in the form that
-is plain MLA (see ``ascend_mla_mismatch``).
+``AscendMLAAttentionSpec``: served as MLA full attention in its plain form
+and in DeepSeek-V3.2's sparse form (see ``ascend_mla_mismatch``).
 
     classify()        - a group's kind from vLLM's KV cache spec class
-    ascend_mla_mismatch() - why an AscendMLAAttentionSpec is not plain MLA
+    ascend_mla_mismatch() - why an AscendMLAAttentionSpec is not a served form
     KVGroup           - one group: kind, layers, the tokens a hit must hold
     hit_end()         - the longest hit whose sliding tails are all stored
     blocks_to_save()  - which blocks of a step's range a group keeps
@@ -70,7 +70,7 @@ def classify(
     )
     kind = _served_kind(spec_class, where)
     if spec_class == ASCEND_MLA and not specs:
-        raise UnsupportedSetup(f"{where}, not plain MLA: no spec given")
+        raise UnsupportedSetup(f"{where}, not a served MLA form: no spec given")
     names = list(layer_names) if len(specs) == len(layer_names) else [first]
     names *= 1 if len(names) == len(specs) else len(specs)
     for name, spec in zip(names, specs, strict=True):
@@ -88,9 +88,9 @@ def classify(
             bad = ascend_mla_mismatch(spec)
             if bad:
                 raise UnsupportedSetup(
-                    f"{here}, not plain MLA: {bad}; only AscendMLAAttentionSpec "
-                    "with compress_ratio 1, no sparse or scale part and the "
-                    "nope + rope page is served"
+                    f"{here}, not a served MLA form: {bad}; served: "
+                    "compress_ratio 1 with the plain nope + rope page, or "
+                    "DeepSeek-V3.2's sparse form (one indexer row per block)"
                 )
         bad = field_mismatch(own, spec)
         if bad:
@@ -112,10 +112,11 @@ def _served_kind(spec_class: str, where: str) -> GroupKind:
 
 
 def ascend_mla_mismatch(spec: Any) -> str:
-    """Why an ``AscendMLAAttentionSpec`` is not plain MLA full attention, or
-    "" when it is: one block of ``block_size`` tokens, each token's latent
-    (nope) and rope vectors and nothing else, which is what the store keys
-    and copies for vLLM's own MLAAttentionSpec.
+    """Why an ``AscendMLAAttentionSpec`` is not a form served as MLA full
+    attention, or "" when it is: one block of ``block_size`` tokens, each
+    token's latent (nope) and rope vectors and nothing else, which is what
+    the store keys and copies for vLLM's own MLAAttentionSpec; or the sparse
+    form of DeepSeek-V3.2 (:func:`_sparse_mismatch`).
 
     Fields as in vllm-ascend 0.23.0.post1 (core/kv_cache_interface.py:27-121;
     ``compress_ratio`` is vLLM 0.23's MLAAttentionSpec field): absent ones
@@ -128,9 +129,7 @@ def ascend_mla_mismatch(spec: Any) -> str:
         return f"compress_ratio={ratio}, expected 1"
     sparse = getattr(spec, "sparse_head_dim", None)
     if sparse is not None:
-        # SFA/DSA: the page packs an indexer cache (and C8 scales) beside
-        # the latent, in tensors and proportions the sparse fields decide
-        return f"sparse_head_dim={sparse}, expected None"
+        return _sparse_mismatch(spec, tuple(sparse))
     scale = getattr(spec, "scale_dim", 0) or 0
     if scale:
         return f"scale_dim={scale}, expected 0 (no quantization scales in the page)"
@@ -144,6 +143,24 @@ def ascend_mla_mismatch(spec: Any) -> str:
             f"page_size_bytes={page}, expected {plain} (block_size x "
             "num_kv_heads x head_size x dtype size: the nope + rope page)"
         )
+    return ""
+
+
+def _sparse_mismatch(spec: Any, sparse: tuple[int, ...]) -> str:
+    """DeepSeek-V3.2's sparse MLA on Ascend (SFA): each layer registers
+    ``(nope, rope, indexer key[, indexer scale])`` (or, with SFA C8, the
+    packed latent, the indexer key[, its scale]) for one block of
+    ``block_size`` tokens, all of them a function of the prefix. Served: the
+    page is the whole tuple, so a block's latent and indexer key are stored
+    in one row and loaded together or not at all; the registration checks
+    that the members' bytes per block add up to ``page_size_bytes``. Refused
+    where the indexer is replicated over decode-context-parallel ranks
+    (its rows are not one per block)."""
+    if len(sparse) != 3:
+        return f"sparse_head_dim={sparse}, expected (latent, rope, indexer) dims"
+    replicas = getattr(spec, "sfa_dcp_replicated_indexer_size", 1)
+    if replicas != 1:
+        return f"sfa_dcp_replicated_indexer_size={replicas}, expected 1"
     return ""
 
 

@@ -63,8 +63,10 @@ SPEC_CLASSES: dict[str, SpecRule] = {
     "AscendMLAAttentionSpec": SpecRule(
         "full",
         "ascend",
-        "MLA full attention in its plain form only: compress_ratio 1, no "
-        "sparse or scale part, the nope + rope page (groups.ascend_mla_mismatch)",
+        "MLA full attention with compress_ratio 1: plain (the nope + rope "
+        "page, no scale part), or DeepSeek-V3.2's sparse form, whose page is "
+        "the latent and the indexer key of each block, with or without C8 "
+        "(groups.ascend_mla_mismatch)",
     ),
     "SlidingWindowSpec": SpecRule(
         "sliding",

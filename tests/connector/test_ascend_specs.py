@@ -2,8 +2,9 @@
 
 vllm-ascend 0.23.0.post1 gives every MLA layer an ``AscendMLAAttentionSpec``
 (a subclass of vLLM's MLAAttentionSpec, core/kv_cache_interface.py:27-121).
-It is served as MLA full attention only in its plain form; its compressed,
-sparse and scaled forms, ``AscendSlidingWindowMLASpec`` and vLLM's
+It is served as MLA full attention in its plain form (and in DeepSeek-V3.2's
+sparse form: test_dsa_indexer.py); its compressed and scaled forms, a sparse
+form with a replicated indexer, ``AscendSlidingWindowMLASpec`` and vLLM's
 ``HiddenStateCacheSpec`` are refused with one line naming the class and the
 field. The stand-ins (tests/support/ascend.py) mirror vllm-ascend's class
 names and fields.
@@ -69,13 +70,18 @@ def test_plain_ascend_mla_is_served_as_mla_full_attention(tmp_path):
     ("fields_", "found"),
     [
         ({"compress_ratio": 4}, "compress_ratio=4, expected 1"),
-        ({"sparse_head_dim": (NOPE, ROPE, 0)}, "sparse_head_dim=(16, 8, 0)"),
+        (
+            {"sparse_head_dim": (NOPE, ROPE, 4), "sfa_dcp_replicated_indexer_size": 2},
+            "sfa_dcp_replicated_indexer_size=2, expected 1",
+        ),
         ({"scale_dim": 2}, "scale_dim=2, expected 0"),
     ],
 )  # fmt: skip
 def test_other_ascend_mla_forms_are_refused_naming_the_field(tmp_path, fields_, found):
-    """DeepSeek V4's compressed layers, V3.2's sparse (SFA) layers, scaled C8
-    layers: one line with the class, a layer and the field."""
+    """DeepSeek V4's compressed layers, V3.2's sparse layers with an indexer
+    replicated over DCP ranks, scaled C8 layers: one line with the class, a
+    layer and the field. (V3.2's sparse form itself is served:
+    tests/connector/test_dsa_indexer.py.)"""
     spec = ascend_mla(**fields_)
     with pytest.raises(UnsupportedSetup) as info:
         engine_namespaces(*mla_config(spec), settings(tmp_path))

@@ -45,15 +45,31 @@ class AscendMLAAttentionSpec(MLAAttentionSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        # kv_cache_interface.py:117-121, the branch of specs without
-        # sparse_head_dim (the sparse branches pack indexer caches too)
-        head = self.head_size * self.dtype.itemsize
-        if self.sparse_head_dim is not None:
-            head = sum(self.sparse_head_dim) * self.dtype.itemsize
-        return (
-            self.block_size
-            * self.num_kv_heads
-            * (head + self.scale_dim * self.scale_dtype.itemsize)
+        # kv_cache_interface.py:66-121, branch by branch
+        per_page = self.block_size * self.num_kv_heads
+        replicas = self.sfa_dcp_replicated_indexer_size
+        scale = self.c8_k_scale_cache_dtype.itemsize
+        if self.cache_sparse_sfa_c8:  # (packed latent, indexer key[, scale])
+            latent, _rope, index = self.sparse_head_dim or (0, 0, 0)
+            key_dtype = self.c8_k_cache_dtype if self.cache_sparse_li_c8 else self.dtype
+            return per_page * (
+                latent * self.c8_k_cache_dtype.itemsize
+                + index * replicas * key_dtype.itemsize
+                + (replicas * scale if self.cache_sparse_li_c8 and index else 0)
+            )
+        if self.cache_sparse_li_c8:  # (nope, rope, int8 indexer key, its scale)
+            nope, rope, index = self.sparse_head_dim or (0, 0, 0)
+            return per_page * (
+                (nope + rope) * self.dtype.itemsize
+                + index * replicas * self.c8_k_cache_dtype.itemsize
+                + replicas * scale
+            )
+        head = self.head_size
+        if self.sparse_head_dim is not None and replicas > 1:
+            nope, rope, index = self.sparse_head_dim
+            head = nope + rope + index * replicas
+        return per_page * (
+            head * self.dtype.itemsize + self.scale_dim * self.scale_dtype.itemsize
         )
 
 
@@ -65,14 +81,10 @@ class AscendSlidingWindowMLASpec(SlidingWindowMLASpec):
 
 
 def ascend_mla(**kw) -> AscendMLAAttentionSpec:
-    """The spec model_runner_v1.py:4993 builds for a plain MLA layer."""
-    return AscendMLAAttentionSpec(
-        block_size=BLOCK,
-        num_kv_heads=1,
-        head_size=NOPE + ROPE,
-        dtype=torch.bfloat16,
-        **kw,
-    )
+    """The spec model_runner_v1.py:4993 builds for a plain MLA layer (and,
+    with ``sparse_head_dim``, :4949-4985's for a sparse one)."""
+    fields_ = {"head_size": NOPE + ROPE, "dtype": torch.bfloat16, **kw}
+    return AscendMLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, **fields_)
 
 
 def make_worker(tmp_path, config, caches, backend=None, **kw) -> WorkerSide:
