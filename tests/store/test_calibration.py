@@ -6,6 +6,7 @@ bytes stored (routes change speed only)."""
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -116,7 +117,11 @@ def test_first_reads_go_direct_unless_buffered_reads_are_clearly_faster(
     found = Calibration("1:2", 1, SAMPLE, buffered, buffered / 2, direct / 3, direct)
     expected = direct > 0 and buffered <= calibration.BUFFERED_MARGIN * direct
     assert found.direct_first_reads is expected
-    assert calibration.derived_tuning(found) == {"direct_first_reads": expected}
+    derived = calibration.derived_tuning(found)
+    assert derived["direct_first_reads"] is expected
+    # buffered QD1 (``buffered``) beats QD16 (half of it): where first reads
+    # go buffered, each uncached layer is one stream
+    assert derived.get("stream_above_bytes") == (None if expected else 0)
     assert found.summary()["first_reads"] == ("direct" if expected else "buffered")
     round_trip = calibration._parse(
         json.dumps(
@@ -128,6 +133,20 @@ def test_first_reads_go_direct_unless_buffered_reads_are_clearly_faster(
         ).encode()
     )  # fmt: skip
     assert round_trip == found
+
+
+@pytest.mark.parametrize(
+    ("qd1", "qd16", "streamed"), [(3.66, 3.01, True), (2.0, 3.0, False)]
+)
+def test_buffered_first_reads_stream_where_one_request_is_as_fast(
+    qd1, qd16, streamed
+):
+    found = Calibration("1:2", 1, SAMPLE, qd1, qd16, 1.0, 1.0)
+    assert not found.direct_first_reads
+    derived = calibration.derived_tuning(found)
+    assert ("stream_above_bytes" in derived) is streamed
+    tuning = dataclasses.replace(ReadTuning(), **derived)
+    assert (tuning.stream_above_bytes == 0) is streamed
 
 
 def test_no_calibration_keeps_the_constants_route():

@@ -130,14 +130,14 @@ class ChunkReader:
 
     def _direct_first(self) -> bool:
         """``tuning.direct_first_reads``, from the directory's calibration
-        where the tuning leaves it open: read once, at the first read (the
-        store has opened the directory by then), never raising."""
+        where the tuning leaves it open (and then the calibration's other
+        fields too: calibration.derived_tuning): read once, at the first read
+        (the store has opened the directory by then), never raising."""
         choice = self.tuning.direct_first_reads
         if choice is None:
-            choice = calibration.derived_tuning(calibration.load(self._dir))[
-                "direct_first_reads"
-            ]
-            self.tuning = dataclasses.replace(self.tuning, direct_first_reads=choice)
+            derived = calibration.derived_tuning(calibration.load(self._dir))
+            self.tuning = dataclasses.replace(self.tuning, **derived)
+            choice = bool(derived["direct_first_reads"])
         return choice
 
     def _mark_corrupt(self, chunk_id: int) -> None:
