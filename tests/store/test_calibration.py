@@ -138,9 +138,7 @@ def test_first_reads_go_direct_unless_buffered_reads_are_clearly_faster(
 @pytest.mark.parametrize(
     ("qd1", "qd16", "streamed"), [(3.66, 3.01, True), (2.0, 3.0, False)]
 )
-def test_buffered_first_reads_stream_where_one_request_is_as_fast(
-    qd1, qd16, streamed
-):
+def test_buffered_first_reads_stream_where_one_request_is_as_fast(qd1, qd16, streamed):
     found = Calibration("1:2", 1, SAMPLE, qd1, qd16, 1.0, 1.0)
     assert not found.direct_first_reads
     derived = calibration.derived_tuning(found)
