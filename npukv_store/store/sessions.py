@@ -36,7 +36,6 @@ import time
 
 from npukv_store.store.dirfd import DirFD
 from npukv_store.store.locks import (
-    MAX_SLOTS,
     SESSION_BYTES,
     byte_locked,
     lock_byte,
@@ -48,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 SESSIONS_FILE = "sessions"
 SLOT_BYTES = 128
+#: Handles open at once on one directory, at most: bounds what an open reads
+#: (8 MiB of records, should the file ever be garbage of that size).
+MAX_SLOTS = 1 << 16
 _OPEN = b"S"  # the first byte of a written record
 _FREE = bytes(SLOT_BYTES)
 

@@ -66,6 +66,9 @@ def _plant(root: str, entry: str, out: str) -> tuple[str, str]:
             os.path.join(root, "maintenance.lock"), os.path.join(out, "important.conf"),
         ),
         ".lock": (os.path.join(root, ".lock"), os.path.join(out, "missing")),
+        "sessions": (
+            os.path.join(root, "sessions"), os.path.join(out, "important.conf"),
+        ),
         "quarantine": (os.path.join(root, "quarantine"), os.path.join(out, "empty")),
         "index": (os.path.join(root, "index"), os.path.join(out, "lmdb")),
         "claims": (os.path.join(root, "claims"), os.path.join(out, "empty")),
@@ -88,8 +91,8 @@ def _plant(root: str, entry: str, out: str) -> tuple[str, str]:
 
 
 ENTRIES = [
-    "tmp", "maintenance.lock", ".lock", "quarantine", "index", "claims", "<ns>",
-    "<ns>/chunks", "a chunk file", "secret", "NPUKV_STORE",
+    "tmp", "maintenance.lock", ".lock", "sessions", "quarantine", "index",
+    "claims", "<ns>", "<ns>/chunks", "a chunk file", "secret", "NPUKV_STORE",
 ]  # fmt: skip
 
 
