@@ -19,7 +19,7 @@
 #       runs), in an overlay of .venv that holds only the vllm 0.33 wheel
 # The 0.23 lane's vLLM stack and the 0.33 lane's venv are made in the
 # background while the main lane runs (.ci/run must fit 50 minutes:
-# docs/decisions/0056).
+# docs/decisions/0056); one that fails there is run again before its lane.
 # Idempotent; exits non-zero on the first failure. Extra arguments go to the
 # main lane's first pytest run (e.g. `bash scripts/test.sh -m stress`);
 # NPUKV_LANES picks lanes (default "main 0.23 0.33"). Each lane prints its wall
@@ -89,14 +89,19 @@ if lane main && { lane 0.23 || lane 0.33; }; then
     ) >"$_bg_log" 2>&1 &
     _bg_setup=$!
 fi
-# wait_bg_setup: the background setups' end; their log on a failure
+# wait_bg_setup: the background setups' end; their log on a failure. A
+# failed one is not the run's end: each lane's own setup below runs it again
+# (the setup scripts are idempotent), in the foreground, and fails the run if
+# it fails there too. (On this VM the root file system's free space comes and
+# goes: twice the 0.33 overlay's pip hit ENOSPC beside the main lane's tests.)
 wait_bg_setup() {
     [ -n "$_bg_setup" ] || return 0
     if ! wait "$_bg_setup"; then
         _bg_setup=""
         cat "$_bg_log" >&2
-        echo "== a setup beside the main lane failed (its output above)" >&2
-        exit 1
+        echo "== a setup beside the main lane failed (its output above); its lane's setup runs it again" >&2
+        rm -f "$_bg_log"
+        return 0
     fi
     _bg_setup=""
     grep '^== ' "$_bg_log" || true
