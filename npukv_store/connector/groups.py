@@ -71,18 +71,19 @@ def classify(
     kind = _served_kind(spec_class, where)
     if spec_class == ASCEND_MLA and not specs:
         raise UnsupportedSetup(f"{where}, not a served MLA form: no spec given")
-    names = list(layer_names) if len(specs) == len(layer_names) else [first]
-    names *= 1 if len(names) == len(specs) else len(specs)
+    per_layer = len(specs) == len(layer_names)
+    names = layer_names if per_layer else [first] * len(specs)
     for name, spec in zip(names, specs, strict=True):
         own = type(spec).__name__
         here = where
         if own != spec_class:  # a per-layer group of several classes
             here = f"KV cache group {group_index} holds {own} (layer {name})"
             here += f" beside {spec_class}"
-        if _served_kind(own, here) != kind:
+        own_kind = _served_kind(own, here)
+        if own_kind != kind:
             raise UnsupportedSetup(
                 f"{here}: layers of one group must be one kind, found "
-                f"{_served_kind(own, here)} and {kind}"
+                f"{own_kind} and {kind}"
             )
         if own == ASCEND_MLA:
             bad = ascend_mla_mismatch(spec)
