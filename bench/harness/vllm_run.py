@@ -322,6 +322,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if args.hma is not None:  # vLLM decides by default (on with our connector)
         options["disable_hybrid_kv_cache_manager"] = args.hma == "off"
+    if args.retention_interval:  # "dense": every block boundary
+        dense = args.retention_interval == "dense"
+        options["prefix_cache_retention_interval"] = (
+            None if dense else int(args.retention_interval)
+        )
     backend = args.attention_backend or facts.get("attention_backend")
     if backend:  # e.g. CPU_MLA, the reference CPU MLA backend, on any CPU
         options["attention_backend"] = backend
@@ -332,7 +337,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype or facts.get("dtype", "float32"),
         block_size=args.block_size or facts.get("block_size", BLOCK_SIZE),
         max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens or args.max_model_len,
         kv_transfer_config=transfer_config(args.connector, extra),
         enable_prefix_caching=args.prefix_caching,
         seed=0,
@@ -454,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     go.add_argument("--max-model-len", type=int, default=1024)
     go.add_argument(
+        "--max-num-batched-tokens", type=int, default=0,
+        help="tokens per step (default: --max-model-len); smaller chunks a prefill",
+    )  # fmt: skip
+    go.add_argument(
         "--ttft", action="store_true", help="time max_tokens=1 before each prompt"
     )
     go.add_argument(
@@ -482,6 +491,11 @@ def main(argv: list[str] | None = None) -> int:
     go.add_argument(
         "--hma", choices=("on", "off"), help="force vLLM's hybrid KV cache manager"
     )
+    go.add_argument(
+        "--retention-interval", default="", metavar="TOKENS|dense",
+        help="vLLM's prefix_cache_retention_interval: which Mamba and sliding "
+        "boundaries its prefix cache keeps (default: vLLM's, prompt ends only)",
+    )  # fmt: skip
     go.add_argument("--record-kv", default="", help="write saved/loaded KV digests")
     go.add_argument(
         "--trace", default="",

@@ -4,16 +4,23 @@ Runs in: EngineCore and every Worker. Pure functions over block indices: no
 vLLM import, no I/O, so the rules are tested on their own.
 
 vLLM's hybrid KV cache manager (HMA) gives each group of layers its own block
-table. Two kinds of group are served:
+table. Three kinds of group are served:
 
     full     a hit ending at block ``end`` needs every block before it
     sliding  it needs only the blocks holding tokens
              ``[end*bs - window + 1 - extra_retained, end*bs)``: vLLM gives the
              request null blocks (id 0) below that and frees them as the window
              moves (SlidingWindowManager.get_num_skipped_tokens)
+    state    a Mamba / linear-attention group in vLLM's align mode: it needs
+             only block ``end - 1``, which holds the recurrent state after
+             token ``end*bs - 1`` (MambaManager.get_num_skipped_tokens keeps
+             one token: a tail of 1). Its blocks are never saved by position:
+             vLLM rewrites and relocates a Mamba block table, so a state is
+             saved only from the exact block vLLM hands over
+             (docs/decisions/0065)
 
-Which vLLM spec class is which kind, and why every other class (Mamba and
-linear attention, chunked local attention, cross attention, ...) is refused,
+Which vLLM spec class is which kind, and why every other class (chunked
+local attention, cross attention, ...) is refused,
 is :mod:`.spec_classes`; ``classify`` checks every layer of a group against
 it. vllm-ascend gives every MLA layer its own subclass,
 ``AscendMLAAttentionSpec``: served as MLA full attention in its plain form
@@ -173,7 +180,8 @@ class KVGroup:
     kind: GroupKind
     layer_names: tuple[str, ...]
     #: sliding: tokens before a hit's end that the next token still attends to
-    #: or vLLM still retains (window - 1 + extra_retained_tokens); 0 for full
+    #: or vLLM still retains (window - 1 + extra_retained_tokens); state: 1
+    #: (the last token's state); 0 for full
     tail_tokens: int = 0
 
     def tail_start(self, end: int, block_size: int) -> int:
@@ -189,15 +197,15 @@ def hit_end(
     block_size: int,
     present: Sequence[tuple[KVGroup, Sequence[bool]]],
 ) -> int:
-    """The largest ``end`` in ``(local, upper]`` such that every sliding group
-    stores the blocks ``[max(local, tail_start(end)), end)``; ``local`` when
-    there is none (no external hit).
+    """The largest ``end`` in ``(local, upper]`` such that every sliding or
+    state group stores the blocks ``[max(local, tail_start(end)), end)``;
+    ``local`` when there is none (no external hit).
 
     Args:
         local: blocks vLLM's own prefix cache already holds.
         upper: the hit end the full-attention groups allow (their longest
             stored prefix, capped below the last token).
-        present: per sliding group, whether each block of ``[local, upper)``
+        present: per sliding or state group, whether each block of ``[local, upper)``
             is stored (every TP rank's part).
     """
     if upper <= local:
@@ -229,12 +237,16 @@ def blocks_to_save(
 ) -> list[int]:
     """The blocks of ``[start, stop)`` that ``group`` saves this step.
 
-    Full groups, and sliding groups unless ``tails_only``, save them all. With
+    State groups save none here (their states come from vLLM's hand-offs,
+    :meth:`.scheduler.save_plan.SavePlan.boundary_transfers`). Full groups,
+    and sliding groups unless ``tails_only``, save them all. With
     ``tails_only`` a sliding group saves only the tails of the hit ends a later
     request is known to land on (``ends``: the prompt's end, the junction where
     its stored prefix stopped, each decode block's end): the bytes a hit needs,
     and no more.
     """
+    if group.kind == "state":
+        return []
     if group.kind == "full" or not tails_only:
         return list(range(start, stop))
     keep: set[int] = set()

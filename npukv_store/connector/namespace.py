@@ -26,7 +26,11 @@ from typing import Any
 
 from npukv_store.config import StoreConfig
 from npukv_store.connector.groups import KVGroup, classify
-from npukv_store.connector.vllm_api import kv_cache_layout
+from npukv_store.connector.vllm_api import (
+    HANDS_OFF_BOUNDARY_STATES,
+    VLLM_VERSION,
+    kv_cache_layout,
+)
 from npukv_store.errors import UnsupportedSetup
 from npukv_store.spec import LayerSpec, NamespaceSpec, PartSpec
 
@@ -102,7 +106,14 @@ def engine_namespaces(
     name = str(model.model)
     if os.path.isdir(name):
         name = os.path.realpath(name)
-    dtype = str(_first_spec(raw_groups[0].kv_cache_spec).dtype).removeprefix("torch.")
+    # the KV dtype of the attention layers (a Mamba group's are in its extra)
+    kv_raw = next(
+        (r for r, g in zip(raw_groups, groups, strict=True) if g.kind != "state"),
+        raw_groups[0],
+    )
+    dtype = str(getattr(_first_spec(kv_raw.kv_cache_spec), "dtype", "")).removeprefix(
+        "torch."
+    )
     specs = tuple(
         tuple(
             NamespaceSpec(
@@ -121,6 +132,7 @@ def engine_namespaces(
                     f"{base};groups={len(groups)};group={group.index};"
                     f"kind={group.kind};tail={group.tail_tokens};"
                     f"spec={type(raw.kv_cache_spec).__name__}"
+                    f"{_state_form(raw.kv_cache_spec) if group.kind == 'state' else ''}"
                 ),
             )
             for group, page_bytes, raw in zip(groups, pages, raw_groups, strict=True)
@@ -180,7 +192,35 @@ def _describe_group(index: int, raw: Any) -> tuple[KVGroup, dict[str, int]]:
             - 1
             + int(getattr(first, "extra_retained_tokens", 0))
         )
+    elif kind == "state":
+        if not HANDS_OFF_BOUNDARY_STATES:
+            raise UnsupportedSetup(
+                f"KV cache group {index} is {type(first).__name__} ({len(names)} "
+                f"layer(s), e.g. {names[0]}): vLLM {VLLM_VERSION} hands no Mamba "
+                "state blocks to a connector (kv_connector_block_state, expected "
+                "vLLM 0.32+), and a state read by position may be another "
+                "prefix's"
+            )
+        tail = 1  # the state after the last token of the hit
+        # a state page is padded to the attention page; the bytes are the
+        # states themselves (MambaSpec.real_page_size_bytes)
+        page_bytes = {
+            name: int((per_layer[name] if per_layer else kv_spec).real_page_size_bytes)
+            for name in names
+        }
     return KVGroup(index, kind, names, tail), page_bytes
+
+
+def _state_form(kv_spec: Any) -> str:
+    """A Mamba group's state shapes and dtypes, for its namespace: two layouts
+    of the same byte count (an fp32 against a bf16 SSM state of twice the
+    heads) must never share a block."""
+    spec = _first_spec(kv_spec)
+    shapes = getattr(spec, "shapes", None)
+    if shapes is None:
+        return ""
+    dtypes = ",".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+    return f";shapes={list(map(list, shapes))};dtypes={dtypes}"
 
 
 def _base_extra(vllm_config: Any, kv_cache_config: Any, settings: StoreConfig) -> str:

@@ -1,6 +1,7 @@
 """Every KV cache spec class of vLLM 0.23, 0.32 and 0.33 and of vllm-ascend
-0.23.0.post1, by name: served as full or sliding-window attention, or refused
-with the reason (docs/vllm.md, "KV cache spec classes", is this table).
+0.23.0.post1, by name: served as full or sliding-window attention or as a
+recurrent state at block boundaries, or refused with the reason
+(docs/vllm.md, "KV cache spec classes", is this table).
 
 Runs in: EngineCore and every Worker (through :mod:`.groups`). Pure data and
 field checks over duck-typed spec objects: no vLLM import.
@@ -19,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-GroupKind = Literal["full", "sliding"]
+GroupKind = Literal["full", "sliding", "state"]
 
 _ALL = "0.23, 0.32, 0.33"
 
@@ -101,11 +102,14 @@ SPEC_CLASSES: dict[str, SpecRule] = {
         "is False): per-request scratch, not KV blocks of a prefix",
     ),
     "MambaSpec": SpecRule(
-        None,
+        "state",
         _ALL,
         "Mamba or linear-attention state (Qwen3-Next, Qwen3.5, Nemotron-H, "
-        "Jamba, ...): a hit needs the recurrent state at its end, not a run of "
-        "KV blocks; not served yet",
+        "Jamba, ...): one state per block boundary, as vLLM's "
+        "mamba_cache_mode='align' keeps it; a hit at block e needs the state "
+        "at e (the block e-1 holds it). Saved only from the exact blocks vLLM "
+        "hands over (boundary_state_offloads, vLLM 0.32+); refused on vLLM "
+        "0.23, with another cache mode or with speculative blocks",
     ),
     "HiSparseHotSpec": SpecRule(
         None,
@@ -152,10 +156,33 @@ PER_LAYER_WRAPPER = "UniformTypeKVCacheSpecs"
 def field_mismatch(spec_class: str, spec: Any) -> str:
     """Why ``spec`` (of a served class) is not in the form that is served;
     "" when it is. Fields a version lacks read as their plain defaults."""
+    if spec_class == "MambaSpec":
+        return _state_mismatch(spec)
     if getattr(spec, "non_causal", False):
         return "non_causal=True, expected False (a prefix LM's KV is not a prefix's)"
     if getattr(spec, "bounded_replay", False):
         return "bounded_replay=True, expected False (vLLM replays, not caches, it)"
     if getattr(spec, "prefix_cacheable", True) is False:
         return "prefix_cacheable=False, expected True (vLLM does not cache it)"
+    return ""
+
+
+def _state_mismatch(spec: Any) -> str:
+    """A Mamba group is served in align mode only: there each block boundary
+    vLLM caches holds the state of the prefix that ends there. In "none" mode
+    (prefix caching off) one block holds the running state, and in "all" mode
+    states are not on block boundaries. Speculative blocks (MTP) relocate
+    state blocks inside the table every step: not checked here."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        return (
+            f"mamba_cache_mode={mode!r}, expected 'align' (states on block "
+            "boundaries: vLLM sets it when prefix caching is on)"
+        )
+    spec_blocks = int(getattr(spec, "num_speculative_blocks", 0) or 0)
+    if spec_blocks:
+        return (
+            f"num_speculative_blocks={spec_blocks}, expected 0 (speculative "
+            "decoding moves a Mamba group's state blocks; not served)"
+        )
     return ""

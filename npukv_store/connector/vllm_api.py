@@ -14,6 +14,11 @@ Supported: vLLM 0.23 (vllm-ascend 0.23.0.post1) to 0.33. The differences
                            request (failed_recving, 0.32+); without it a model
                            of several KV cache groups does not load (saves go on)
     kv_cache_layout()      KVCacheConfig.kv_cache_layout (0.32+), else ""
+    HANDS_OFF_BOUNDARY_STATES  the scheduler hands a connector the exact
+                           blocks of Mamba align-mode states
+                           (SchedulerOutput.kv_connector_block_state, 0.32+);
+                           without it a Mamba group is refused
+    boundary_state_offloads()  this step's hand-offs, {} where there are none
     block_ids_source()     the scheduler's block ids: vLLM's KV cache manager
                            (bound to connectors from 0.32), else tracked from
                            each step's SchedulerOutput (BlockIdTracker)
@@ -43,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import base as _base
 __all__ = [
     "NEWEST",
     "OLDEST",
+    "HANDS_OFF_BOUNDARY_STATES",
     "REPORTS_FAILED_LOADS",
     "VLLM_VERSION",
     "BlockIdTracker",
@@ -50,6 +56,7 @@ __all__ = [
     "TransferResults",
     "WorkerMetadataBase",
     "block_ids_source",
+    "boundary_state_offloads",
     "create_metric_per_engine",
     "kv_cache_layout",
     "lora_identity",
@@ -79,6 +86,25 @@ else:
 
     TransferResults = _TransferResults
     REPORTS_FAILED_LOADS = False
+
+try:
+    from vllm.v1.core.sched.output import KVConnectorBlockState as _BlockState
+
+    HANDS_OFF_BOUNDARY_STATES = hasattr(_BlockState, "__dataclass_fields__") and (
+        "boundary_state_offloads" in _BlockState.__dataclass_fields__
+    )
+except ImportError:  # vLLM < 0.32
+    HANDS_OFF_BOUNDARY_STATES = False
+
+
+def boundary_state_offloads(scheduler_output: Any) -> dict[str, list[Any]]:
+    """``{req_id: [(group_id, block_id, boundary_tokens), ...]}``: the Mamba
+    align-mode states vLLM offers this step, by their exact block (vLLM
+    0.32's KVCacheManager.take_boundary_state_offloads); {} on older vLLM."""
+    block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+    offloads = getattr(block_state, "boundary_state_offloads", None)
+    return dict(offloads) if offloads else {}
+
 
 if hasattr(_base, "KVConnectorWorkerMetadata"):
     WorkerMetadataBase: Any = _base.KVConnectorWorkerMetadata

@@ -104,6 +104,7 @@ def test_a_saved_tail_serves_the_hit_at_its_end():
         ("MLAAttentionSpec", "full"),
         ("SlidingWindowSpec", "sliding"),
         ("SlidingWindowMLASpec", "sliding"),
+        ("MambaSpec", "state"),
     ],
 )
 def test_classify_serves_attention_groups(spec_class, kind):
@@ -111,7 +112,7 @@ def test_classify_serves_attention_groups(spec_class, kind):
 
 
 @pytest.mark.parametrize(
-    "spec_class", ["MambaSpec", "ChunkedLocalAttentionSpec", "CrossAttentionSpec"]
+    "spec_class", ["RSWASpec", "ChunkedLocalAttentionSpec", "CrossAttentionSpec"]
 )
 def test_classify_refuses_other_groups_by_name(spec_class):
     with pytest.raises(UnsupportedSetup, match=f"group 2 is {spec_class}") as info:

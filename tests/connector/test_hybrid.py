@@ -95,6 +95,9 @@ def test_group_structure_is_part_of_every_namespace(tmp_path):
 
 
 def test_mamba_group_turns_both_halves_off_with_one_message(tmp_path, caplog):
+    """A Mamba group outside vLLM's align mode (prefix caching off: one
+    running state per request, no boundary states) is refused; align mode is
+    tests/connector/test_state_groups.py."""
     mamba = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
     groups = [
         SimpleNamespace(

@@ -23,6 +23,7 @@ import torch
 from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata
 from npukv_store.connector.scheduler.side import SchedulerSide
 from npukv_store.connector.spec_classes import SPEC_CLASSES
+from npukv_store.connector.vllm_api import HANDS_OFF_BOUNDARY_STATES, VLLM_VERSION
 from npukv_store.connector.worker.side import WorkerSide
 from tests.support.ascend import NOPE, ROPE, ascend_mla
 from tests.support.connector import (
@@ -72,8 +73,14 @@ def stand_in(class_name: str, **fields):
         block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM,
         dtype=torch.float32, page_size_bytes=PAGE,
     )  # fmt: skip
-    if SPEC_CLASSES.get(class_name, SPEC_CLASSES["MambaSpec"]).kind == "sliding":
+    kind = SPEC_CLASSES.get(class_name, SPEC_CLASSES["MambaSpec"]).kind
+    if kind == "sliding":
         common["sliding_window"] = 2 * BLOCK
+    if kind == "state":  # one fp32 state of a page's bytes per block, align mode
+        common.update(
+            shapes=((PAGE // 4,),), dtypes=(torch.float32,),
+            real_page_size_bytes=PAGE, mamba_cache_mode="align",
+        )  # fmt: skip
     return cls(**{**common, **fields})
 
 
@@ -115,6 +122,11 @@ def registered(tmp_path, config, caches) -> WorkerSide:
 
 @pytest.mark.parametrize("class_name", SERVED)
 def test_each_served_class_saves_and_loads_bit_for_bit(tmp_path, class_name):
+    if SPEC_CLASSES[class_name].kind == "state" and not HANDS_OFF_BOUNDARY_STATES:
+        pytest.skip(
+            f"vLLM {VLLM_VERSION} hands no Mamba state blocks to a connector: "
+            "refused there (tests/connector/test_state_groups.py checks it)"
+        )
     config, caches = served_case(class_name)
     scheduler = SchedulerSide(*config, settings(tmp_path))
     assert scheduler.disabled_reason == ""
@@ -177,6 +189,8 @@ def test_each_refused_class_turns_the_connector_off_with_one_line(
         ("FullAttentionSpec", {"non_causal": True}, "non_causal=True"),
         ("SlidingWindowMLASpec", {"bounded_replay": True}, "bounded_replay=True"),
         ("SinkFullAttentionSpec", {"prefix_cacheable": False}, "cacheable=False"),
+        ("MambaSpec", {"mamba_cache_mode": "none"}, "mamba_cache_mode='none'"),
+        ("MambaSpec", {"num_speculative_blocks": 1}, "num_speculative_blocks=1"),
     ],
 )  # fmt: skip
 def test_a_served_class_in_another_form_is_refused_naming_the_field(

@@ -39,6 +39,7 @@ pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vl
 pytestmark = pytest.mark.e2e
 
 from npukv_store.connector.vllm_api import (  # noqa: E402
+    HANDS_OFF_BOUNDARY_STATES,
     REPORTS_FAILED_LOADS,
     VLLM_VERSION,
 )
@@ -304,16 +305,79 @@ def _kv(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def test_qwen3_next_is_served_with_the_connector_off_and_one_clear_message(tmp_path):
-    """Linear attention (Mamba groups) has no block-wise hit: the connector
-    turns itself off at start-up naming the group, and vLLM serves on."""
+#: Qwen3-Next's prefill in chunks of 64 tokens, with vLLM keeping a state
+#: every 64 tokens (prefix_cache_retention_interval): vLLM computes a state
+#: only at a chunk's end and hands over only those it keeps, so a prefix
+#: shared up to token 192 has one to hit (docs/decisions/0065). The baseline
+#: runs with the same arguments.
+QWEN3_NEXT_ARGS = ("--max-num-batched-tokens", "64", "--retention-interval", "64")
+
+
+@pytest.mark.skipif(
+    not HANDS_OFF_BOUNDARY_STATES,
+    reason=f"vLLM {VLLM_VERSION} hands no Mamba state blocks to a connector "
+    "(kv_connector_block_state, 0.32+): the connector refuses Mamba groups "
+    "there (tests/connector/test_state_groups.py)",
+)
+def test_qwen3_next_stores_and_loads_states_with_baseline_tokens(tmp_path):
+    """Gated delta-net layers (Mamba groups, align mode) beside full
+    attention: store in one process, load in a second; greedy tokens equal a
+    run without the connector, with external hits of a whole stored prompt
+    and of a prefix shared with another stored prompt. Corrupted states give
+    the baseline's tokens (the load fails, the request recomputes), and
+    states whose attention KV was evicted are not loaded at all."""
+    from npukv_store.cli import main as npukv
+
     model = build_model(tmp_path / "model", "qwen3_next")
-    p = _prompts(32)
-    baseline = run(tmp_path, "baseline", [p["A"]], model=model)
-    served = run(tmp_path, "served", [p["A"]], model=model, cache_dir=tmp_path / "c")
-    assert tokens(served) == tokens(baseline)
-    assert "Failed to promote" not in served["log"]
-    lines = [line for line in served["log"].splitlines() if "connector is off" in line]
-    assert len(lines) == 1, lines
-    assert "KV cache group 0 is MambaSpec" in lines[0]
-    assert "model.layers.0.linear_attn" in lines[0]
+    p, cache = _prompts(32), tmp_path / "cache"
+    kw = dict(model=model, args=QWEN3_NEXT_ARGS)
+    baseline = run(tmp_path, "baseline", [p["A"], p["B"]], **kw)
+    store = run(tmp_path, "store", [p["A"], p["C"]], cache_dir=cache, **kw)
+    states, kv = _namespaces_by_kind(cache)
+    assert len(states) == 3, states  # one group per GDN layer
+    assert len(kv) == 1, kv
+    shutil.copytree(cache, tmp_path / "stored")
+    load = run(tmp_path, "load", [p["A"], p["B"]], cache_dir=cache, **kw)
+    assert external(store) == [0, 0]
+    assert "connector is off" not in load["log"]
+    assert tokens(load) == tokens(baseline), "tokens differ"
+    whole = _full_blocks(p["A"], 32)
+    assert external(load) == [whole, 192]  # 192: the state kept at token 192
+    assert cached(load) == [whole, 192]
+
+    bad = tmp_path / "bad_states"
+    shutil.copytree(tmp_path / "stored", bad)
+    flipped = 0
+    for ns in states:
+        for chunk in (bad / ns / "chunks").glob("*.safetensors"):
+            data = bytearray(chunk.read_bytes())
+            for offset in range(8192, len(data) - 64, 1021):
+                data[offset] ^= 0x5A
+                flipped += 1
+            chunk.write_bytes(bytes(data))
+    assert flipped
+    corrupt = run(tmp_path, "corrupt", [p["A"], p["B"]], cache_dir=bad, **kw)
+    assert tokens(corrupt) == tokens(baseline)
+    assert "failed to load" in corrupt["log"]
+
+    evicted = tmp_path / "evicted_kv"
+    shutil.copytree(tmp_path / "stored", evicted)
+    for chunk in (evicted / kv[0] / "chunks").glob("*.safetensors"):
+        chunk.unlink()
+    npukv(["verify", str(evicted), "--fast", "--fix"])  # the index forgets them
+    gone = run(tmp_path, "evicted", [p["A"], p["B"]], cache_dir=evicted, **kw)
+    assert tokens(gone) == tokens(baseline)
+    assert external(gone) == [0, 0]  # the states alone are no hit
+    assert "failed to load" not in gone["log"]
+
+
+def _namespaces_by_kind(cache: Path) -> tuple[list[str], list[str]]:
+    """The cache's state namespaces and its KV namespaces (the group kind is
+    in each namespace's spec, namespace.json)."""
+    import json
+
+    states, kv = [], []
+    for spec in sorted(cache.glob("*/namespace.json")):
+        extra = json.loads(spec.read_text())["extra"]
+        (states if ";kind=state;" in extra else kv).append(spec.parent.name)
+    return states, kv

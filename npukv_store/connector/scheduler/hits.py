@@ -6,7 +6,8 @@ Runs in: the EngineCore process, on the scheduler's thread.
     find_hit() - end of the longest hit: every full-attention group (every
                  rank) stores the prefix, locally or, where the local prefix
                  ends first, in the remote tier; every sliding-window group
-                 the tail its window needs before the hit's end
+                 the tail its window needs before the hit's end; every Mamba
+                 (state) group the state at the hit's end
 
 A request's first search is its only one: vLLM asks again for a request it
 could not schedule (a retry), and the answer is reused without a lookup. A
@@ -47,13 +48,13 @@ def find_hit(
         state.stored = stored
     state.remote_from, state.stored_full = stored.local_end, stored.full_end
     upper = stored.full_end
-    sliding = [g for g in groups if g.kind == "sliding"]
-    if upper <= local or not sliding:
+    tails = [g for g in groups if g.kind != "full"]  # sliding and state groups
+    if upper <= local or not tails:
         return upper
     if stored.local == local:
         return stored.found
     present = []
-    for group in sliding:
+    for group in tails:
         stored_rows = [True] * (upper - local)
         for rank in range(len(chains.fingerprints)):
             keys = chains.rank_keys(state, rank, group.index, local, upper)
@@ -82,8 +83,8 @@ def _stored(
         if group.kind == "full" and upper > 0:  # the answer holds for any local
             upper = stored_prefix(store, chains, state, group.index, upper)
     local_end = upper
-    sliding = any(g.kind == "sliding" for g in groups)
-    if remote is not None and not sliding and upper < max_blocks:
+    tails = any(g.kind != "full" for g in groups)
+    if remote is not None and not tails and upper < max_blocks:
         more = remote.extend(
             state.request.request_id,
             [

@@ -5,11 +5,16 @@ Runs in: the EngineCore process, on the scheduler's thread.
     SavePlan.full_blocks() - how many leading blocks of a request are full and
                              savable once this step has run
     SavePlan.transfers()   - one save per KV cache group of blocks [start, stop)
+    SavePlan.boundary_transfers() - the Mamba states vLLM hands over this step
 
 Prompt blocks are saved, and with ``save_decode`` generated ones too, in the
 step that fills them rather than when the request finishes: that needs no step
 after the last one (an offline LLM stops stepping when its requests finish).
 Sliding-window groups save what a later hit needs (:mod:`npukv_store.connector.groups`).
+A Mamba (state) group saves nothing by position: vLLM rewrites, nulls and
+relocates the blocks of its table, so a block read by position may hold
+another prefix's state. Its states are saved from the exact blocks vLLM hands
+over when it caches a boundary (docs/decisions/0065).
 """
 
 from __future__ import annotations
@@ -81,5 +86,51 @@ class SavePlan:
                 continue
             seen.update(first[i] for i in rows)
             saves.append(transfer(request.request_id, group.index, ids, rows, keys))
+        state.saved_any = state.saved_any or bool(saves)
+        return saves
+
+    def boundary_transfers(
+        self,
+        state: RequestState,
+        offloads: list[tuple[int, int, int]],
+        seen: set[bytes],
+    ) -> list[BlockTransfer]:
+        """The saves of the Mamba states vLLM hands over for one request this
+        step: ``offloads`` is ``[(group_id, block_id, boundary_tokens)]``
+        (vLLM's boundary_state_offloads). A state at boundary ``t`` (a whole
+        number of blocks) is keyed as block ``t / block_size - 1`` of its
+        group's chain: the state belongs to the prefix that ends there. States
+        inside a block (a prompt's partial tail), of groups that are not state
+        groups, beyond the prompt without ``save_decode``, or ``seen`` in this
+        step are left out."""
+        request = state.request
+        limit = request.num_prompt_tokens
+        if self.settings.save_decode:
+            limit = len(request.all_token_ids)
+        kinds = {group.index: group.kind for group in self.groups}
+        rows: dict[int, dict[int, int]] = {}  # group -> block index -> block id
+        for group_id, block_id, boundary in offloads:
+            if kinds.get(int(group_id)) != "state" or int(block_id) <= 0:
+                continue
+            boundary = int(boundary)
+            if boundary <= 0 or boundary % self.block_size or boundary > limit:
+                continue
+            rows.setdefault(int(group_id), {})[boundary // self.block_size - 1] = int(
+                block_id
+            )
+        if not rows:
+            return []
+        keys = self.chains.keys(state, 1 + max(max(r) for r in rows.values()))
+        saves = []
+        for group_id, by_row in sorted(rows.items()):
+            first = keys[0][group_id]
+            wanted = sorted(i for i in by_row if first[i] not in seen)
+            if not wanted:
+                continue
+            seen.update(first[i] for i in wanted)
+            ids = [0] * (wanted[-1] + 1)
+            for i in wanted:
+                ids[i] = by_row[i]
+            saves.append(transfer(request.request_id, group_id, ids, wanted, keys))
         state.saved_any = state.saved_any or bool(saves)
         return saves

@@ -14,10 +14,12 @@ The key chains live in :mod:`.keys`, the hit search in :mod:`.hits` (its
 lookups in :mod:`.lookups`), a step's saves in :mod:`.save_plan`, the choice
 to load or recompute in :mod:`.load_policy`. A block is a hit only when every
 rank's part is stored; on a hybrid model a hit must also find, in every
-sliding-window group, the blocks its window needs
-(:mod:`npukv_store.connector.groups`). Hybrid models load asynchronously:
-vLLM can take back a failed load of several KV cache groups only per request
-(failed_recving), not per block. Everything here is best
+sliding-window group, the blocks its window needs, and in every Mamba group
+the state at the hit's end (:mod:`npukv_store.connector.groups`). Mamba
+states are saved from the blocks vLLM hands over (boundary_state_offloads).
+Hybrid models load asynchronously: vLLM can take back a failed load of
+several KV cache groups only per request (failed_recving), not per block.
+Everything here is best
 effort: an exception is logged once and reads as "no hit" / "no save".
 """
 
@@ -49,6 +51,7 @@ from npukv_store.connector.vllm_api import (
     VLLM_VERSION,
     BlockIdTracker,
     ManagerBlockIds,
+    boundary_state_offloads,
 )
 from npukv_store.errors import UnsupportedSetup
 from npukv_store.hashing import chain_root, namespace_fingerprint
@@ -280,11 +283,12 @@ class SchedulerSide:
         split = max(start, min(stop, state.remote_from))  # [split, stop): remote
         for group in self.engine.groups:
             ids = block_ids[group.index]
+            first = group.tail_start(stop, bs)  # 0 for full attention
             for part, remote in (
                 (range(start, split), False),
                 (range(split, stop), True),
             ):
-                rows = [i for i in part if ids[i] != 0]  # 0: null block
+                rows = [i for i in part if i >= first and ids[i] != 0]  # 0: null
                 if rows:
                     loads.append(
                         transfer(
@@ -335,7 +339,23 @@ class SchedulerSide:
             seen: set[bytes] = set()
             for req_id, num_tokens in scheduled.items():
                 meta.saves += self._step_save(req_id, num_tokens, seen)
+            for req_id, offloads in boundary_state_offloads(scheduler_output).items():
+                meta.saves += self._state_save(req_id, offloads, seen)
         return meta
+
+    def _state_save(
+        self, req_id: str, offloads: list[Any], seen: set[bytes]
+    ) -> list[BlockTransfer]:
+        """The Mamba states vLLM hands over for ``req_id`` this step
+        (:meth:`.save_plan.SavePlan.boundary_transfers`)."""
+        state = self._requests.get(req_id)
+        if state is None:
+            return []
+        try:
+            return self.save_plan.boundary_transfers(state, offloads, seen)
+        except Exception:
+            self._warn_once("state-save", "planning a state save failed; skipping it")
+            return []
 
     def _step_save(
         self, req_id: str, num_tokens: int, seen: set[bytes]

@@ -18,7 +18,7 @@ and any fault aborts the step's batches: nothing half-filled is written.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from npukv_store.config import StoreConfig
@@ -46,12 +46,15 @@ class StepSaver:
         settings: StoreConfig,
         rank: int,
         warn_once: Callable[[str, str], None],
+        *,
+        state_groups: Collection[int] = (),
     ) -> None:
         self._stores, self._specs = stores, specs
         self._layers, self._layer_pos = layers, layer_pos
         self._backend, self._xfer = backend, xfer
         self._settings, self._rank = settings, rank
         self._warn_once = warn_once
+        self._state_groups = frozenset(state_groups)
         self._saves: list[BlockTransfer] = []
         self._staged: list[tuple[StagedSave, list[int], int]] = []  # +ids, group
         self._filled = [False] * len(layers)
@@ -139,10 +142,18 @@ class StepSaver:
         done = self._backend.new_event()
         done.record(self._xfer)
         blocks = nbytes = 0
-        for staged, _, group in self._staged:
+        staged_now = self._staged
+        for staged, _, group in staged_now:
             self._stores[group].commit_save(staged, done)
             blocks += len(staged.keys)
             nbytes += len(staged.keys) * self._specs[group].block_bytes
+        if any(group in self._state_groups for _, _, group in staged_now):
+            # vLLM may free a handed-over Mamba block in the next step (its
+            # interior states are nulled) and hand it to another request,
+            # whose forward would overwrite it while the D2H still reads it:
+            # the compute stream waits for the copies (on the device, no host
+            # sync; a no-op where copies are synchronous)
+            self._backend.current_stream().wait_event(done)
         self._staged = []
         self._last_event = done
         return blocks, nbytes, time.perf_counter() - self._started

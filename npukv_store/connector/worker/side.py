@@ -24,7 +24,9 @@ accelerator; on the CPU it stays ``off``, see ``_learn_hooks``). A skipped
 load hook turns it ``off`` for good; steps known to skip them load in bulk
 and stay layerwise (:mod:`.loads`).
 Hooks for layers the store does not hold (vllm-ascend's ``save_kv_layer("",
-[])`` for linear attention) are ignored.
+[])`` for linear attention) are ignored. Mamba (state) layers fire no hooks:
+their states are copied in wait_for_save, after the forward wrote them, and
+``auto`` learns the hooks from the attention layers alone.
 """
 
 from __future__ import annotations
@@ -188,9 +190,11 @@ class WorkerSide:
         self.loads.attach(
             self.loader, self.costs, self.specs, self.rank, self.backend.kind
         )
+        assert self.engine is not None
         self.saver = StepSaver(
             self.stores, self.specs, self.layers, self._layer_pos, self.backend,
             self.xfer, saver_settings, self.rank, self._warn_once,
+            state_groups={g.index for g in self.engine.groups if g.kind == "state"},
         )  # fmt: skip
         logger.info(
             "npukv_store: worker rank %d ready: %d layers in %d KV cache group(s), "
@@ -275,7 +279,12 @@ class WorkerSide:
         the same cores: layerwise only adds a thread hand-off per layer there
         (measured TTFT of a warm 2,000-token hit: about 90 ms layerwise against
         70 ms bulk), so auto stays bulk."""
-        names = self.layer_index.keys()
+        # a Mamba layer has no attention hooks: its state is copied in bulk
+        assert self.engine is not None
+        state = {g.index for g in self.engine.groups if g.kind == "state"}
+        names = [
+            n for n, i in self.layer_index.items() if self.layers[i].group not in state
+        ]
         if not names or not all(
             n in self._hooks_seen and n in self._loads_seen for n in names
         ):
