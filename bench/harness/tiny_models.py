@@ -33,6 +33,11 @@ Pitfalls (vLLM 0.32 CPU, transformers 5):
   value head dims of 128. vLLM raises the block size until an attention page
   holds a linear-attention state; the sizes here keep it at 32. Qwen3-Next
   needs the hybrid KV cache manager, so a connector without SupportsHMA fails.
+- Mamba2 hybrids (Nemotron-H here; Granite 4, Falcon-H1 and Zamba2 alike)
+  run on vLLM 0.32's CPU build with prefix caching on (align mode) only in
+  prefill chunks no longer than the model's chunk_size (128): its CPU scan
+  returns one state per sequence where align mode asks one per chunk
+  (IndexError in mamba_mixer2.py). Run them with max_num_batched_tokens 64.
 - A script that starts vLLM needs ``if __name__ == "__main__":`` (it spawns
   processes). Run with HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   VLLM_CPU_KVCACHE_SPACE=1 (and VLLM_ENABLE_V1_MULTIPROCESSING=0 to reach the
@@ -46,7 +51,9 @@ import json
 import os
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3_moe", "gemma3", "deepseek_v2", "qwen3_next")
+FAMILIES = (
+    "llama", "qwen2", "qwen3_moe", "gemma3", "deepseek_v2", "qwen3_next", "nemotron_h"
+)  # fmt: skip
 
 VOCAB = 3000
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")  # ids 0..3
@@ -143,6 +150,32 @@ _FAMILIES: dict[str, dict[str, Any]] = {
         },
         "hybrid": "linear",
         "dtype": "bfloat16",  # CPU GDN attention requires BF16
+    },
+    # Mamba2 + attention (Nemotron-H): 2 Mamba2 layers, 1 attention layer,
+    # 3 MLPs; vLLM raises the block size to 64 so a page holds a state
+    "nemotron_h": {
+        "model_type": "nemotron_h",
+        "config": {
+            "layers_block_type": [
+                "linear_attention", "mlp", "full_attention", "mlp",
+                "linear_attention", "mlp",
+            ],
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "layer_norm_epsilon": 1e-5,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 64,
+            "ssm_state_size": 16,
+            "n_groups": 1,
+            "conv_kernel": 4,
+            "expand": 2,
+            "chunk_size": 128,
+            "mlp_hidden_act": "relu2",
+            "use_mamba_kernels": False,
+        },  # fmt: skip
+        "hybrid": "mamba2",
+        "block_size": 64,
+        "init_std": 0.12,  # at 0.06 its output hardly depends on the context
     },
 }
 
