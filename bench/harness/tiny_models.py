@@ -157,8 +157,12 @@ _FAMILIES: dict[str, dict[str, Any]] = {
         "model_type": "nemotron_h",
         "config": {
             "layers_block_type": [
-                "linear_attention", "mlp", "full_attention", "mlp",
-                "linear_attention", "mlp",
+                "linear_attention",
+                "mlp",
+                "full_attention",
+                "mlp",
+                "linear_attention",
+                "mlp",
             ],
             "num_key_value_heads": 2,
             "head_dim": 64,
