@@ -189,6 +189,7 @@ def test_each_refused_class_turns_the_connector_off_with_one_line(
         ("FullAttentionSpec", {"non_causal": True}, "non_causal=True"),
         ("SlidingWindowMLASpec", {"bounded_replay": True}, "bounded_replay=True"),
         ("SinkFullAttentionSpec", {"prefix_cacheable": False}, "cacheable=False"),
+        ("MLAAttentionSpec", {"tokens_per_state": 4}, "tokens_per_state=4"),
         ("MambaSpec", {"mamba_cache_mode": "none"}, "mamba_cache_mode='none'"),
         ("MambaSpec", {"num_speculative_blocks": 1}, "num_speculative_blocks=1"),
     ],
