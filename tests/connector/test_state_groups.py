@@ -321,3 +321,15 @@ def test_a_state_group_in_another_mode_is_refused(tmp_path, fields, found):
     assert found in side.disabled_reason
     assert "KV cache group 0 is MambaSpec" in side.disabled_reason
     side.close()
+
+
+@needs_handoff
+def test_the_load_policy_prices_one_state_per_hit_not_one_per_block(tmp_path):
+    """A hit of n blocks reads n blocks of each full group and one state of
+    each state group (a state weighs several KV blocks)."""
+    side = SchedulerSide(*state_config(), settings(tmp_path))
+    state_bytes_, kv_bytes = side.group_block_bytes
+    assert state_bytes_ == 2 * STATE_BYTES
+    assert side._hit_bytes(1) == state_bytes_ + kv_bytes
+    assert side._hit_bytes(6) == state_bytes_ + 6 * kv_bytes
+    side.close()

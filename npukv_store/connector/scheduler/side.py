@@ -103,8 +103,8 @@ class SchedulerSide:
         self.save_plan = SavePlan(
             self.engine.groups, self.block_size, settings, self.chains
         )
-        # what one worker reads per block: the ranks load their parts at once
-        self.block_load_bytes = sum(spec.block_bytes for spec in self.engine.specs[0])
+        # what one worker reads per group's block: the ranks load at once
+        self.group_block_bytes = [spec.block_bytes for spec in self.engine.specs[0]]
         self.load_async = self.engine.hybrid
         # One handle suffices: the index is shared by every namespace, and keys
         # of different namespaces never collide (they are seeded by it).
@@ -231,10 +231,24 @@ class SchedulerSide:
 
         # loads allocated earlier in this scheduling pass: one job with ours
         joins = bool(self._loads)
+        blocks = found - local
         return self.policy.decide(
-            found - local, self.block_load_bytes, self.block_size, cached_head,
-            joins=joins,
+            blocks, self._hit_bytes(blocks) // blocks, self.block_size,
+            cached_head, joins=joins,
         )  # fmt: skip
+
+    def _hit_bytes(self, blocks: int) -> int:
+        """What one worker reads for a hit of ``blocks`` blocks: every block of
+        the full-attention groups, a window's tail of each sliding group, one
+        state of each Mamba group (a state weighs about three KV blocks: priced
+        per block, a hybrid's hit would look four times its cost)."""
+        assert self.engine is not None
+        return sum(
+            group.blocks_for_hit(blocks, self.block_size) * nbytes
+            for group, nbytes in zip(
+                self.engine.groups, self.group_block_bytes, strict=True
+            )
+        )
 
     def measured(
         self,
