@@ -52,7 +52,8 @@ import os
 from typing import Any
 
 FAMILIES = (
-    "llama", "qwen2", "qwen3_moe", "gemma3", "deepseek_v2", "qwen3_next", "nemotron_h"
+    "llama", "qwen2", "qwen3_moe", "gemma3", "deepseek_v2", "qwen3_next", "nemotron_h",
+    "deepseek_v4",
 )  # fmt: skip
 
 VOCAB = 3000
@@ -181,6 +182,60 @@ _FAMILIES: dict[str, dict[str, Any]] = {
         "block_size": 64,
         "init_std": 0.12,  # at 0.06 its output hardly depends on the context
     },
+    # DeepSeek-V4 (transformers 5.19's DeepseekV4ForCausalLM, saved in the
+    # original checkpoint's names that vLLM's loader reads): a sliding-window
+    # layer, a compressed one with the indexer (C4A) and a heavily compressed
+    # one (C128A). The attention and indexer sizes are the real model's (the
+    # CPU kernels are written for them); the rest is small. vLLM 0.32 runs it
+    # on CPU only with AMX (its sparse-MLA and indexer kernels), with blocks of
+    # 256 and prefix caching on; elsewhere it stops at start-up.
+    "deepseek_v4": {
+        "model_type": "deepseek_v4",
+        "config": {
+            "num_hidden_layers": 3,
+            "compress_ratios": [0, 4, 128],  # legacy form: layer_types
+            "num_hash_layers": 0,  # every layer a top-k routed MoE
+            "head_dim": 512,  # 448 nope + 64 rope, one KV head
+            "qk_rope_head_dim": 64,
+            "q_lora_rank": 128,
+            "o_groups": 2,
+            "o_lora_rank": 128,
+            "sliding_window": 128,
+            "index_n_heads": 64,
+            "index_head_dim": 128,
+            "index_topk": 512,
+            "hc_mult": 2,
+            "hc_sinkhorn_iters": 3,
+            # moe_intermediate_size: _COMMON's intermediate_size (512), which
+            # transformers' DeepseekV4Config maps onto it
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "num_nextn_predict_layers": 0,
+        },
+        # config.json as the real checkpoint's: vLLM reads the legacy
+        # per-layer fields (transformers folds them into layer_types and
+        # mlp_layer_types, which vLLM's config class refuses; transformers
+        # folds them back in when it reads the file)
+        "vllm_config": {
+            "compress_ratios": [0, 4, 128],
+            "num_hash_layers": 0,
+            "layer_types": None,
+            "mlp_layer_types": None,
+        },
+        # tensor names as vLLM's loader reads them (the real checkpoint's):
+        # transformers saves most in them, these not; it reads both
+        "vllm_names": (
+            (r"^model\.", ""),
+            (r"^embed_tokens\.", "embed."),
+            (r"^hc_head\.hc_", "hc_head_"),
+            (r"\.attn\.norm\.", ".attn.kv_norm."),
+        ),
+        "mla": True,
+        "hybrid": "deepseek_v4",
+        "block_size": 256,  # vLLM's CPU DeepSeek-V4 backends force it
+        "dtype": "bfloat16",
+    },
 }
 
 
@@ -221,6 +276,33 @@ def init_weights(model: Any, std: float = INIT_STD) -> None:
                 param.normal_(0.0, std)
 
 
+def _update_config(model_path: str, fields: dict[str, Any]) -> None:
+    """Set ``fields`` in the saved config.json (None: remove the field)."""
+    config_path = os.path.join(model_path, "config.json")
+    with open(config_path) as f:
+        saved = json.load(f)
+    for key, value in fields.items():
+        if value is None:
+            saved.pop(key, None)
+        else:
+            saved[key] = value
+    with open(config_path, "w") as f:
+        json.dump(saved, f, indent=2, sort_keys=True)
+
+
+def _rename_tensors(model_path: str, renames: tuple[tuple[str, str], ...]) -> None:
+    """Rename the saved tensors: each (pattern, replacement) in turn."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(model_path, "model.safetensors")
+    tensors = load_file(path)
+    for pattern, replacement in renames:
+        tensors = {re.sub(pattern, replacement, k): v for k, v in tensors.items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
 def build(family: str, path: str, *, seed: int = 0) -> dict[str, Any]:
     """Write the ``family`` checkpoint to ``path/model`` and its tokenizer to
     ``path/tokenizer``; return the facts needed to run it in vLLM."""
@@ -241,6 +323,10 @@ def build(family: str, path: str, *, seed: int = 0) -> dict[str, Any]:
     model.to(getattr(torch, dtype))
     model.config.dtype = dtype
     model.save_pretrained(model_path, safe_serialization=True)
+    if spec.get("vllm_config"):
+        _update_config(model_path, spec["vllm_config"])
+    if spec.get("vllm_names"):
+        _rename_tensors(model_path, spec["vllm_names"])
     build_tokenizer(tokenizer_path)
     return {
         "family": family,

@@ -11,6 +11,8 @@ the last committed state and the lock is recovered by the next writer.
     commit_chunk()  - publish a chunk's rows, first commit wins, evict to capacity
     remove_chunks() - unpublish chunks (the caller unlinks their files after)
     touch()         - move chunks to the young end of the LRU
+    removed_since() - the keys that left the index since a position of its
+                      removal log (KV events: docs/decisions/0066)
 
 Databases (keys and values are fixed-layout bytes: :mod:`.index_rows`):
     keys    16-byte block key -> chunk id u64, row u32   (the block's home);
@@ -23,6 +25,8 @@ Databases (keys and values are fixed-layout bytes: :mod:`.index_rows`):
             the maintenance job and ``npukv stats`` report against)
     dead    chunk id u64 BE   -> namespace 16 bytes       (unpublished, file may
                                                          still await its unlink)
+    removed sequence u64 BE   -> 16-byte keys              (the keys one unpublish
+            took out of ``keys``, oldest first, at most REMOVED_LOG_ENTRIES)
 
 The index is a cache of what the chunk files say; :mod:`.recovery` rebuilds it.
 Why LMDB and not SQLite: docs/decisions/0001 (measured 256-key lookups and commits).
@@ -51,13 +55,19 @@ from npukv_store.store.index_rows import (
     U64,
     ChunkRecord,
     CommitResult,
+    RemovedKeys,
     listed_run,
     total_bytes,
     whole_home,
 )
 from npukv_store.store.permissions import Access
 
+SEQ = CID  # a removal log entry's position: u64 big-endian, so the log sorts
+
 SCHEMA = b"npukv-index-2"  # 2: row 0 of a whole chunk lists its other keys
+#: entries kept in the removal log (one per unpublished chunk that lost keys):
+#: a reader further behind sees a gap (docs/decisions/0066)
+REMOVED_LOG_ENTRIES = 8192
 
 
 class Index:
@@ -94,7 +104,7 @@ class Index:
             raise FormatError(f"{path}: index schema {schema!r}, expected {SCHEMA!r}")
 
     def _open_dbs(self) -> bytes | None:
-        """Open the five databases; the schema found (None: a new index).
+        """Open the six databases; the schema found (None: a new index).
 
         One explicit write transaction: ``open_db`` without one begins it
         holding the GIL, which deadlocks against a thread of ours
@@ -104,13 +114,14 @@ class Index:
         it holds LMDB's writer lock for microseconds.
         """
         with self._env.begin(write=True) as txn:
-            names = (b"keys", b"chunks", b"lru", b"meta", b"dead")
+            names = (b"keys", b"chunks", b"lru", b"meta", b"dead", b"removed")
             dbs = [self._env.open_db(name, txn=txn) for name in names]
             schema = txn.get(b"schema", db=dbs[3])
             if schema is None:
                 txn.put(b"schema", SCHEMA, db=dbs[3])
                 txn.put(b"total_bytes", U64.pack(0), db=dbs[3])
-        self._keys, self._chunks, self._lru, self._meta, self._dead = dbs
+        self._keys, self._chunks, self._lru, self._meta, self._dead = dbs[:5]
+        self._removed = dbs[5]
         return schema
 
     def close(self) -> None:
@@ -243,13 +254,18 @@ class Index:
                 return CommitResult(0, True, ())
             # Victims go first: a key whose home is a victim is then free for
             # this chunk, instead of vanishing from the index with the victim.
+            gone: list[bytes] = []
             for victim in victims:
-                self._unpublish_in(txn, victim)
+                gone += self._unpublish_in(txn, victim, log=False)
                 total -= victim.size_bytes
             live = self._publish_in(txn, record)
             if live == 0:
                 txn.abort()  # nothing won: evicting for it would be pure loss
                 return CommitResult(0, False, ())
+            kept = set(record.keys)  # a victim's key this chunk took over stays
+            gone = [key for key in gone if key not in kept]
+            if gone:
+                self._log_removed_in(txn, b"".join(gone))
             txn.put(b"total_bytes", U64.pack(total + record.size_bytes), db=self._meta)
             if capacity_bytes < 1 << 62:  # rebuilds pass "unlimited"
                 txn.put(b"capacity", U64.pack(capacity_bytes), db=self._meta)
@@ -447,17 +463,69 @@ class Index:
         victims = policy.pick_victims(lru, size_of, excess, young_after_ns)
         return None if victims is None else [records[cid] for cid in victims]
 
-    def _unpublish_in(self, txn: lmdb.Transaction, record: ChunkRecord) -> None:
+    def _unpublish_in(
+        self, txn: lmdb.Transaction, record: ChunkRecord, *, log: bool = True
+    ) -> list[bytes]:
+        """Take ``record`` out of the index; the keys that left with it,
+        logged unless ``log`` is False (the caller logs what stays gone)."""
         cursor = txn.cursor(db=self._keys)  # one descent per key, not two
+        gone = []
         for row, key in enumerate(record.keys):
             home = LOC_FMT.pack(record.chunk_id, row)
             if cursor.set_key(key) and cursor.value()[: LOC_FMT.size] == home:
                 cursor.delete()  # only rows this chunk is home of
+                gone.append(key)
+        if gone and log:
+            self._log_removed_in(txn, b"".join(gone))
         txn.delete(LRU_FMT.pack(record.last_access_ns, record.chunk_id), db=self._lru)
         txn.delete(CID.pack(record.chunk_id), db=self._chunks)
         # The file outlives this commit until its unlink; if the unlinker dies in
         # between, the tombstone tells recovery the file is dead, not in flight.
         txn.put(CID.pack(record.chunk_id), record.namespace, db=self._dead)
+        return gone
+
+    # -- the removal log: which keys left, for every process (KV events) -----
+
+    def _log_removed_in(self, txn: lmdb.Transaction, keys: bytes) -> None:
+        """Append ``keys`` (16 bytes each) to the removal log, dropping its
+        oldest entry beyond REMOVED_LOG_ENTRIES: one put and at most one
+        delete per unpublished chunk, in the unpublishing transaction."""
+        cursor = txn.cursor(db=self._removed)
+        last = SEQ.unpack(cursor.key())[0] if cursor.last() else -1
+        txn.put(SEQ.pack(last + 1), keys, db=self._removed)
+        oldest = SEQ.unpack(cursor.key())[0] if cursor.first() else last + 1
+        if last + 1 - oldest >= REMOVED_LOG_ENTRIES:
+            cursor.delete()
+
+    def removed_position(self) -> int:
+        """The position the next removal will have: a reader that starts now
+        reads from here."""
+        with self._env.begin(db=self._removed) as txn:
+            cursor = txn.cursor()
+            return SEQ.unpack(cursor.key())[0] + 1 if cursor.last() else 0
+
+    def removed_since(self, position: int, limit: int = 256) -> RemovedKeys:
+        """The keys removed from ``position`` on (at most ``limit`` entries of
+        the log), where to read next, and whether entries were lost between
+        ``position`` and the oldest one kept (or the index was rebuilt, which
+        starts a new log: ``position`` past its end)."""
+        keys: list[bytes] = []
+        with self._env.begin(db=self._removed) as txn:
+            cursor = txn.cursor()
+            end = SEQ.unpack(cursor.key())[0] + 1 if cursor.last() else 0
+            if position > end:
+                return RemovedKeys(end, [], True)
+            first = SEQ.unpack(cursor.key())[0] if cursor.first() else end
+            gap = position < first
+            nxt = max(position, first)
+            start = nxt
+            if cursor.set_range(SEQ.pack(nxt)):
+                for raw, blob in cursor:
+                    if nxt - start >= limit:
+                        break
+                    nxt = SEQ.unpack(raw)[0] + 1
+                    keys += [bytes(blob[i : i + 16]) for i in range(0, len(blob), 16)]
+        return RemovedKeys(nxt, keys, gap)
 
     # -- recovery's records: sessions, the rebuild mark (docs/decisions/0059) --
 

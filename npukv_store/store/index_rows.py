@@ -112,3 +112,12 @@ def total_bytes(txn: lmdb.Transaction, meta: lmdb._Database) -> int:
     raw = txn.get(b"total_bytes", db=meta)
     assert raw is not None, "meta db lacks total_bytes: written at creation"
     return int(U64.unpack(raw)[0])
+
+
+@dataclass(frozen=True, slots=True)
+class RemovedKeys:
+    """What the removal log says since a reader's position."""
+
+    position: int  # where to read next
+    keys: list[bytes]  # removed since, oldest first (a key may repeat)
+    gap: bool  # entries were dropped before they were read: keys are missing

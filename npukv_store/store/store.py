@@ -44,7 +44,7 @@ from npukv_store.store import recovery
 from npukv_store.store.arrays import input_rows, merge_reads
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import CacheDir
-from npukv_store.store.index_rows import ChunkRecord
+from npukv_store.store.index_rows import ChunkRecord, RemovedKeys
 from npukv_store.store.page_cache import PageCache
 from npukv_store.store.publish import Publisher
 from npukv_store.store.read.plan import ChunkReadPlan, ReadTuning
@@ -407,6 +407,15 @@ class KVStore:
         self.touches.note_keys(hits)
         self.counters.add(lookups=1, hit_blocks=sum(found), lookup_blocks=len(keys))
         return found
+
+    def removed_position(self) -> int:
+        """Where a reader of the directory's removal log starts now."""
+        return self.index.removed_position()
+
+    def removed_since(self, position: int, limit: int = 256) -> RemovedKeys:
+        """The keys that left the directory (evicted, removed, by any process)
+        since ``position`` of its removal log (:meth:`.Index.removed_since`)."""
+        return self.index.removed_since(position, limit)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` that are stored (a hit is not a promise:
