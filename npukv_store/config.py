@@ -275,6 +275,18 @@ class StoreConfig:
             unit="ratio",
         ),
     )
+    kv_events_medium: str = field(
+        default="STORAGE",
+        metadata=_doc(
+            "The medium of this tier's KV cache events (BlockStored and "
+            "BlockRemoved, published with vLLM's own where --kv-events-config "
+            "is set). STORAGE is vLLM's own name for a disk tier (its "
+            "offloading connectors use it), so routers that weigh vLLM's "
+            "mediums need no new entry; any other name may be given "
+            "(docs/metrics.md, KV events).",
+            section="connector",
+        ),
+    )
     sliding_save: str = field(
         default="all",
         metadata=_doc(

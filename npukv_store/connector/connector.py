@@ -15,6 +15,7 @@ and vLLM serves without it (docs/decisions/0056-vllm-versions.md).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -234,6 +235,13 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception:
             logger.exception("npukv_store: build_connector_meta failed")
             return NPUKVMetadata()
+
+    def take_events(self) -> Iterable[Any]:
+        """KV cache events of the NVMe tier (docs/metrics.md, "KV events"):
+        vLLM publishes them with its own where --kv-events-config is set."""
+        if self._scheduler is None:
+            return ()
+        return self._scheduler.take_events()
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)

@@ -41,6 +41,9 @@ class BlockTransfer:
     #: blocks the remote tier holds (the local store does not): the workers
     #: read them from it (npukv_store.remote), before the local ones
     remote: bool = False
+    #: the blocks' positions in the request (KV events name them by vLLM's
+    #: block hashes); not needed by the workers
+    rows: list[int] = field(default_factory=list)
 
     def keys(self, rank: int) -> list[bytes]:
         blob = self.keys_by_rank[rank if len(self.keys_by_rank) > 1 else 0]

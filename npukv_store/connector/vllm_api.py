@@ -19,6 +19,9 @@ Supported: vLLM 0.23 (vllm-ascend 0.23.0.post1) to 0.33. The differences
                            (SchedulerOutput.kv_connector_block_state, 0.32+);
                            without it a Mamba group is refused
     boundary_state_offloads()  this step's hand-offs, {} where there are none
+    KVEventAPI             vLLM's KV cache events (BlockStored/BlockRemoved)
+                           with the fields this version has (group_idx and
+                           locality from 0.32), and its block-hash helpers
     block_ids_source()     the scheduler's block ids: vLLM's KV cache manager
                            (bound to connectors from 0.32), else tracked from
                            each step's SchedulerOutput (BlockIdTracker)
@@ -49,6 +52,7 @@ __all__ = [
     "NEWEST",
     "OLDEST",
     "HANDS_OFF_BOUNDARY_STATES",
+    "KVEventAPI",
     "REPORTS_FAILED_LOADS",
     "VLLM_VERSION",
     "BlockIdTracker",
@@ -59,6 +63,7 @@ __all__ = [
     "boundary_state_offloads",
     "create_metric_per_engine",
     "kv_cache_layout",
+    "kv_events_enabled",
     "lora_identity",
     "unsupported",
 ]
@@ -216,3 +221,58 @@ def block_ids_source(connector: Any) -> ManagerBlockIds | BlockIdTracker:
     where vLLM binds one to the connector (0.32+), else a tracker."""
     manager = getattr(connector, "_kv_cache_manager", None)
     return BlockIdTracker() if manager is None else ManagerBlockIds(manager)
+
+
+class KVEventAPI:
+    """vLLM's KV cache events as the connector builds them: the event
+    classes and the hash and extra-key helpers of vLLM's own block pool.
+    Fields an event class lacks on this version (``group_idx``,
+    ``locality``: 0.32+) are left out."""
+
+    def __init__(self) -> None:
+        from vllm.distributed import kv_events
+        from vllm.v1.core import kv_cache_utils
+
+        self._stored_cls = kv_events.BlockStored
+        self._removed_cls = kv_events.BlockRemoved
+        self._utils = kv_cache_utils
+        self._stored_fields = set(self._stored_cls.__struct_fields__)
+        self._removed_fields = set(self._removed_cls.__struct_fields__)
+
+    def external_hash(self, block_hash: Any) -> Any:
+        return self._utils.maybe_convert_block_hash(block_hash)
+
+    def extra_keys(self, request: Any, start: int, end: int) -> Any:
+        """The block's extra keys as vLLM's events publish them (untagged on
+        0.32+: ``to_event_extra_keys``)."""
+        keys, _ = self._utils.generate_block_hash_extra_keys(request, start, end, 0)
+        to_event = getattr(self._utils, "to_event_extra_keys", None)
+        if to_event is None or keys is None:
+            return keys
+        converted = to_event([keys])
+        return converted[0] if converted else None
+
+    def stored(self, **fields: Any) -> Any:
+        if all(keys is None for keys in fields.get("extra_keys") or [None]):
+            fields["extra_keys"] = None
+        fields.setdefault("locality", "LOCAL")
+        return self._stored_cls(
+            **{k: v for k, v in fields.items() if k in self._stored_fields}
+        )
+
+    def removed(self, block_hashes: list[Any], medium: str, group: int) -> Any:
+        fields: dict[str, Any] = {
+            "block_hashes": block_hashes,
+            "medium": medium,
+            "group_idx": group,
+            "locality": "LOCAL",
+        }
+        return self._removed_cls(
+            **{k: v for k, v in fields.items() if k in self._removed_fields}
+        )
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV cache events (``--kv-events-config``)."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(getattr(config, "enable_kv_cache_events", False))

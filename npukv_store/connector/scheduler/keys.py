@@ -227,4 +227,5 @@ def transfer(
         group=group,
         asynchronous=asynchronous,
         remote=remote,
+        rows=list(rows),
     )

@@ -32,6 +32,7 @@ from typing import Any
 from npukv_store.config import StoreConfig
 from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata
 from npukv_store.connector.namespace import EngineKV, engine_namespaces
+from npukv_store.connector.scheduler.events import KVEvents
 from npukv_store.connector.scheduler.hits import find_hit
 from npukv_store.connector.scheduler.keys import KeyChains, Keys, RequestState, transfer
 from npukv_store.connector.scheduler.load_policy import (
@@ -50,8 +51,10 @@ from npukv_store.connector.vllm_api import (
     REPORTS_FAILED_LOADS,
     VLLM_VERSION,
     BlockIdTracker,
+    KVEventAPI,
     ManagerBlockIds,
     boundary_state_offloads,
+    kv_events_enabled,
 )
 from npukv_store.errors import UnsupportedSetup
 from npukv_store.hashing import chain_root, namespace_fingerprint
@@ -85,6 +88,7 @@ class SchedulerSide:
         self._remote_reported: dict[str, int] = {}
         self._remote_up: bool | None = None
         self.load_async = self.loads_on = self.hint_readahead = False
+        self.events: KVEvents | None = None
         try:
             self.engine: EngineKV | None = engine_namespaces(
                 vllm_config, kv_cache_config, settings
@@ -115,6 +119,10 @@ class SchedulerSide:
             return
         assert self.store.key_domain is not None
         self.chains.chain_key = self.store.key_domain.chain_key
+        if kv_events_enabled(vllm_config):
+            self.events = KVEvents(
+                self.store, self.block_size, settings.kv_events_medium, KVEventAPI()
+            )
         self.hint_readahead = _workers_load_layerwise(vllm_config, settings)
         self.loads_on = self._loads_allowed(vllm_config)
         if not self.engine.full_attention_only:
@@ -317,6 +325,7 @@ class SchedulerSide:
             return
         self._loads[request.request_id] = loads
         self.stats.add(hit_tokens=num_external)
+        self._report_events(request, loads, loaded=True)
         if not self.hint_readahead:
             return
         try:
@@ -366,7 +375,9 @@ class SchedulerSide:
         if state is None:
             return []
         try:
-            return self.save_plan.boundary_transfers(state, offloads, seen)
+            saves = self.save_plan.boundary_transfers(state, offloads, seen)
+            self._report_events(state.request, saves, loaded=False)
+            return saves
         except Exception:
             self._warn_once("state-save", "planning a state save failed; skipping it")
             return []
@@ -384,14 +395,42 @@ class SchedulerSide:
         try:
             assert self.block_ids is not None
             block_ids = self.block_ids.get_block_ids(req_id)
-            return self.save_plan.transfers(
+            saves = self.save_plan.transfers(
                 state, state.saved_blocks, full, block_ids, seen
             )
+            self._report_events(state.request, saves, loaded=False)
+            return saves
         except Exception:
             self._warn_once("save", "planning a save failed; skipping it")
             return []
         finally:
             state.saved_blocks = full
+
+    def _report_events(
+        self, request: Any, transfers: list[BlockTransfer], *, loaded: bool
+    ) -> None:
+        """Tell the KV events (if vLLM publishes them) of saved or loaded
+        blocks; local blocks only (the remote tier's are not on this node)."""
+        if self.events is None:
+            return
+        try:
+            for t in transfers:
+                if t.remote:
+                    continue
+                report = self.events.loaded if loaded else self.events.saved
+                report(request, t.group, t.rows, t.keys(0))
+        except Exception:
+            self._warn_once("events", "KV events failed; events may be missing")
+
+    def take_events(self) -> list[Any]:
+        """This step's KV cache events (vLLM publishes them with its own)."""
+        if self.events is None or self.disabled_reason:
+            return []
+        try:
+            return self.events.take()
+        except Exception:
+            self._warn_once("events", "KV events failed; events may be missing")
+            return []
 
     def finished(self, request: Any) -> bool:
         """True when the request's blocks must stay allocated until the
