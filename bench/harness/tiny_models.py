@@ -38,6 +38,10 @@ Pitfalls (vLLM 0.32 CPU, transformers 5):
   prefill chunks no longer than the model's chunk_size (128): its CPU scan
   returns one state per sequence where align mode asks one per chunk
   (IndexError in mamba_mixer2.py). Run them with max_num_batched_tokens 64.
+- DeepSeek-V4 (transformers 5.19's class) runs in vLLM 0.32's CPU build only
+  where the CPU has AMX: elsewhere its start-up fails in cpu_sparse.py
+  (``torch.ops._C.convert_weight_packed`` is missing from the AVX2 kernels).
+  Its config.json and tensor names are rewritten to the real checkpoint's.
 - A script that starts vLLM needs ``if __name__ == "__main__":`` (it spawns
   processes). Run with HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   VLLM_CPU_KVCACHE_SPACE=1 (and VLLM_ENABLE_V1_MULTIPROCESSING=0 to reach the
@@ -220,6 +224,7 @@ _FAMILIES: dict[str, dict[str, Any]] = {
         "vllm_config": {
             "compress_ratios": [0, 4, 128],
             "num_hash_layers": 0,
+            "topk_method": "noaux_tc",  # vLLM loads the gate's bias then
             "layer_types": None,
             "mlp_layer_types": None,
         },
