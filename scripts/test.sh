@@ -142,7 +142,8 @@ if lane 0.23; then
         tests/test_layering.py \
         "$_families::test_family_stores_and_loads_with_baseline_tokens" \
         "$_families::test_mla_loads_nothing_where_vllm_turned_prefix_caching_off" \
-        tests/e2e/test_startup.py tests/e2e/test_serve_smoke.py
+        tests/e2e/test_startup.py tests/e2e/test_serve_smoke.py \
+        tests/e2e/test_kv_events.py
     lane_end
 fi
 

@@ -327,6 +327,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         options["prefix_cache_retention_interval"] = (
             None if dense else int(args.retention_interval)
         )
+    if args.kv_events_endpoint:
+        from vllm.config import KVEventsConfig
+
+        options["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq",
+            endpoint=args.kv_events_endpoint, topic="kv",
+        )  # fmt: skip
     backend = args.attention_backend or facts.get("attention_backend")
     if backend:  # e.g. CPU_MLA, the reference CPU MLA backend, on any CPU
         options["attention_backend"] = backend
@@ -495,6 +502,11 @@ def main(argv: list[str] | None = None) -> int:
         "--retention-interval", default="", metavar="TOKENS|dense",
         help="vLLM's prefix_cache_retention_interval: which Mamba and sliding "
         "boundaries its prefix cache keeps (default: vLLM's, prompt ends only)",
+    )  # fmt: skip
+    go.add_argument(
+        "--kv-events-endpoint", default="", metavar="ZMQ",
+        help="publish vLLM's KV cache events (and the connector's) on this "
+        "ZeroMQ endpoint, topic 'kv' (--kv-events-config)",
     )  # fmt: skip
     go.add_argument("--record-kv", default="", help="write saved/loaded KV digests")
     go.add_argument(

@@ -40,9 +40,11 @@ logger = logging.getLogger(__name__)
 
 #: blocks this server remembers having announced
 MAX_TRACKED = 262_144
-#: a save is announced once the index has it: checked this long after the
-#: plan, and given up (a full ring dropped it) after GIVE_UP_S
-CHECK_AFTER_S = 0.2
+#: a save is announced at the first step at which the index has it (vLLM
+#: asks for events once per step: an idle server announces its last saves
+#: with its next step); checked each step from CHECK_AFTER_S after the plan
+#: on, and given up (a full ring dropped it) after GIVE_UP_S
+CHECK_AFTER_S = 0.0
 GIVE_UP_S = 60.0
 
 
