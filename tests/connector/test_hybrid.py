@@ -9,7 +9,6 @@ of several groups back per request: on vLLM 0.23 the scheduler only saves
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -36,6 +35,7 @@ from tests.support.connector import (
     hybrid_config,
     make_request,
     put_blocks,
+    received,
     settings,
 )
 
@@ -183,16 +183,6 @@ def _transfer(group, keys, block_ids, *, asynchronous=False, req="r"):
                          asynchronous=asynchronous)  # fmt: skip
 
 
-def _results_until(worker, req_id, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        _, recving, failed = worker.transfer_results()
-        if req_id in recving:
-            return failed
-        time.sleep(0.01)
-    raise AssertionError(f"{req_id} never reported as received")
-
-
 def test_worker_saves_each_group_and_loads_them_asynchronously(tmp_path):
     vllm_config, kv_cache_config = hybrid_config()
     source = hybrid_caches(1)
@@ -220,7 +210,7 @@ def test_worker_saves_each_group_and_loads_them_asynchronously(tmp_path):
     ]))  # fmt: skip
     loader.start_load()
     loader.finish_step()
-    assert _results_until(loader, "r") == set()
+    assert received(loader, "r") == set()
     for name in LAYERS4[0::2]:
         torch.testing.assert_close(target[name][[20, 21]], source[name][[7, 8]])
     for name in LAYERS4[1::2]:
@@ -233,7 +223,7 @@ def test_worker_saves_each_group_and_loads_them_asynchronously(tmp_path):
     ]))  # fmt: skip
     loader.start_load()
     loader.finish_step()
-    assert _results_until(loader, "bad") == {"bad"}
+    assert received(loader, "bad") == {"bad"}
     # never block ids: vLLM cannot map them back with several groups
     assert loader.take_load_errors() == set()
     loader.close()

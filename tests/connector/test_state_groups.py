@@ -36,6 +36,7 @@ from tests.support.connector import (
     attention_spec,
     engine_config,
     make_request,
+    received,
     settings,
 )
 
@@ -246,25 +247,13 @@ def test_a_worker_copies_state_pages_without_their_padding(tmp_path):
     )
     loader.start_load()
     loader.finish_step()
-    assert _received(loader, "r") == set()
+    assert received(loader, "r") == set()
     for name in STATE_LAYERS:
         assert state_bytes(target[name], 20) == state_bytes(source[name], 3)
     for name, before in zip(STATE_LAYERS, padding_before, strict=True):
         raw = target[name][0].as_strided((PADDED // 4,), (1,))
         assert torch.equal(raw[STATE_BYTES // 4 :], before[STATE_BYTES // 4 :])
     loader.close()
-
-
-def _received(worker, req_id, timeout_s=30.0):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        _, recving, failed = worker.transfer_results()
-        if req_id in recving:
-            return failed
-        time.sleep(0.01)
-    raise AssertionError(f"{req_id} never reported as received")
 
 
 def test_hooks_are_learned_from_the_attention_layers_alone(tmp_path, monkeypatch):

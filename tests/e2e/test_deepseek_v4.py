@@ -23,6 +23,7 @@ import random
 import pytest
 
 from bench.harness.runs import build_model, external, run, tokens
+from tests.support.cpu import cpu_has_amx
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
 pytestmark = pytest.mark.e2e
@@ -33,16 +34,6 @@ REFUSAL = (
     "KV cache group 3 is MLAAttentionSpec (3 layer(s), e.g. "
     "model.layers.1.attn.indexer.k_cache): tokens_per_state=4, expected 1"
 )
-
-
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(
-                line.startswith("flags") and "amx_tile" in line.split() for line in f
-            )
-    except OSError:
-        return False
 
 
 def _prompts() -> dict[str, list[int]]:
@@ -57,7 +48,7 @@ def _prompts() -> dict[str, list[int]]:
 
 
 @pytest.mark.skipif(
-    not _cpu_has_amx(),
+    not cpu_has_amx(),
     reason="vLLM's CPU DeepSeek-V4 backends (sparse MLA, indexer) need a CPU with "
     "AMX (amx_tile is not in /proc/cpuinfo's flags here)",
 )

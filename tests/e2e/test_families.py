@@ -34,6 +34,7 @@ from bench.harness.runs import (
     run,
     tokens,
 )
+from tests.support.cpu import cpu_has_amx
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
 pytestmark = pytest.mark.e2e
@@ -241,16 +242,6 @@ def test_mla_loads_nothing_where_vllm_turned_prefix_caching_off(tmp_path):
             assert pages == saved[key], f"{mode}: key {key} differs from its save"
 
 
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(
-                line.startswith("flags") and "amx_tile" in line.split() for line in f
-            )
-    except OSError:
-        return False
-
-
 #: vLLM's AMX MLA backend: bfloat16 only, block sizes of 32n.
 AMX_MLA_ARGS = ("--attention-backend", "AMX_MLA", "--dtype", "bfloat16",
                 "--block-size", "32")  # fmt: skip
@@ -258,7 +249,7 @@ AMX_MLA_ARGS = ("--attention-backend", "AMX_MLA", "--dtype", "bfloat16",
 
 @needs_cpu_mla
 @pytest.mark.skipif(
-    not _cpu_has_amx(),
+    not cpu_has_amx(),
     reason="vLLM's AMX_MLA backend needs a CPU with AMX (amx_tile is not in "
     "/proc/cpuinfo's flags here)",
 )

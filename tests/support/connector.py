@@ -7,6 +7,7 @@ Imports torch (and vLLM where called): only the connector's tests use it.
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -138,3 +139,15 @@ def hybrid_config(**kw):
         SimpleNamespace(layer_names=LAYERS4[1::2], kv_cache_spec=attention_spec()),
     ]
     return engine_config(groups=groups, **kw)
+
+
+def received(worker: WorkerSide, req_id: str, timeout_s: float = 30.0) -> set[str]:
+    """Wait until ``worker`` reports the asynchronous load of ``req_id``
+    received; the failed loads reported with it."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, recving, failed = worker.transfer_results()
+        if req_id in recving:
+            return set(failed)
+        time.sleep(0.01)
+    raise AssertionError(f"{req_id} never reported as received")
