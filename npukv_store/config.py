@@ -461,6 +461,14 @@ class StoreConfig:
         self._check_choice("verify", ("always", "never"))
         self._check_choice("layerwise", ("auto", "on", "off"))
         self._check_choice("sliding_save", ("all", "tails"))
+        medium = self.kv_events_medium
+        if not isinstance(medium, str) or not re.fullmatch(
+            r"[A-Za-z0-9_.-]{1,32}", medium
+        ):
+            raise ConfigError(
+                f"kv_events_medium: found {medium!r}, expected a name of 1 to 32 "
+                "letters, digits, '_', '.' or '-' (e.g. STORAGE, NVME)"
+            )
         self._check_choice("load_policy", ("auto", "always"))
         margin = _parse_number(self.load_margin, "load_margin", float)
         if not math.isfinite(margin) or margin < 0:

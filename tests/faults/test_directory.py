@@ -241,6 +241,7 @@ GARBLED = {
     "load_policy": ("never", "load_policy: found 'never'"),
     "load_margin": ("-0.5", "load_margin: found -0.5"),
     "sliding_save": ("some", "sliding_save: found 'some'"),
+    "kv_events_medium": ("NV ME!", "kv_events_medium: found 'NV ME!'"),
     "namespace_extra": (5, "namespace_extra: found 5"),
     "index_map_size": ("1KiB", "index_map_size: found 1024 bytes"),
     "evict_grace_s": ("-1", "evict_grace_s: found -1.0"),

@@ -165,9 +165,9 @@ def install_hooks(
         enter(PHASE_IN_TXN)  # the first step of every commit transaction
         return real_touch_in(self, txn, chunk_ids, now_ns)
 
-    def unpublish_in(self, txn, record):
+    def unpublish_in(self, txn, record, **kwargs):
         enter(PHASE_EVICTING)
-        return real_unpublish_in(self, txn, record)
+        return real_unpublish_in(self, txn, record, **kwargs)
 
     def commit_chunk(self, record, **kwargs):
         result = real_commit(self, record, **kwargs)
