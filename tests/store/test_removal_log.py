@@ -8,10 +8,14 @@ processes share it: one process's evictions are read by another."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import shutil
+import signal
 import tempfile
+import time
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -156,3 +160,48 @@ def test_another_process_reads_the_evictions(tmp_path):
     assert not got.gap
     assert sorted(got.keys) == sorted(CHAIN[:12])
     index.close()
+
+
+def _remove_one_by_one(root: str, ready: str) -> None:
+    """Child: unpublish every chunk, one transaction each, until killed."""
+    index = Index(root, map_size=1 << 24, sync=True)
+    for n, record in enumerate(list(index.iter_chunks())):
+        index.remove_chunks([record.chunk_id])
+        if n == 0:  # the parent's clock starts at the first removal
+            open(ready, "w").close()
+    index.close()
+
+
+@pytest.mark.parametrize("delay_ms", [5, 20, 60])
+def test_a_kill_9_mid_removal_leaves_the_log_equal_to_the_departures(
+    tmp_path, delay_ms
+):
+    """SIGKILL a process that removes chunks one transaction at a time: the
+    keys the log lists are exactly the keys gone from the index, not one
+    more or less (the log is written in the removing transaction)."""
+    root = str(tmp_path / "index")
+    os.makedirs(root)
+    keys = [bytes([3, i % 256, i // 256]) * 5 + b"\x01" for i in range(12000)]
+    index = Index(root, map_size=1 << 24, sync=False)
+    for i in range(0, len(keys), 6):
+        record = ChunkRecord.new(i + 1, NS, keys[i : i + 6], SIZE, i + 1)
+        index.commit_chunk(record, capacity_bytes=1 << 40, grace_ns=0)
+    position = index.removed_position()
+    index.close()
+    ready = str(tmp_path / "ready")
+    spawn = multiprocessing.get_context("spawn")
+    child = spawn.Process(target=_remove_one_by_one, args=(root, ready))
+    child.start()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(delay_ms / 1000)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(30)
+    index = Index(root, map_size=1 << 24, sync=False)
+    got = index.removed_since(position, limit=1 << 20)
+    gone = set(keys) - present(index)
+    index.close()
+    assert not got.gap
+    assert sorted(got.keys) == sorted(gone)
+    assert 0 < len(gone) < len(keys), "the kill should land mid-way: tune delays"
