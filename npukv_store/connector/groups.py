@@ -184,13 +184,6 @@ class KVGroup:
     #: (the last token's state); 0 for full
     tail_tokens: int = 0
 
-    def blocks_for_hit(self, blocks: int, block_size: int) -> int:
-        """How many of a hit's ``blocks`` this group loads: all of them (full),
-        the window's tail (sliding), one state (state); at most ``blocks``."""
-        if self.kind == "full":
-            return blocks
-        return min(blocks, self.tail_tokens // block_size + 1)
-
     def tail_start(self, end: int, block_size: int) -> int:
         """First block a hit ending at block ``end`` needs in this group."""
         if self.kind == "full":

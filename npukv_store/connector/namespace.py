@@ -181,8 +181,11 @@ def _describe_group(index: int, raw: Any) -> tuple[KVGroup, dict[str, int]]:
     per_layer = getattr(kv_spec, "kv_cache_specs", None)
     layer_specs = [per_layer[name] for name in names] if per_layer else [kv_spec]
     kind = classify(type(first).__name__, index, names, layer_specs)
+    # a state page is padded to the attention page; the bytes stored are the
+    # states themselves (MambaSpec.real_page_size_bytes)
+    size = "real_page_size_bytes" if kind == "state" else "page_size_bytes"
     page_bytes = {
-        name: int((per_layer[name] if per_layer else kv_spec).page_size_bytes)
+        name: int(getattr(per_layer[name] if per_layer else kv_spec, size))
         for name in names
     }
     tail = 0
@@ -202,12 +205,6 @@ def _describe_group(index: int, raw: Any) -> tuple[KVGroup, dict[str, int]]:
                 "prefix's"
             )
         tail = 1  # the state after the last token of the hit
-        # a state page is padded to the attention page; the bytes are the
-        # states themselves (MambaSpec.real_page_size_bytes)
-        page_bytes = {
-            name: int((per_layer[name] if per_layer else kv_spec).real_page_size_bytes)
-            for name in names
-        }
     return KVGroup(index, kind, names, tail), page_bytes
 
 

@@ -34,11 +34,6 @@ def ext(hashes):
     return [maybe_convert_block_hash(h) for h in hashes]
 
 
-@pytest.fixture(autouse=True)
-def _checked_at_once(monkeypatch):
-    monkeypatch.setattr(events_module, "CHECK_AFTER_S", 0.0)
-
-
 def events_config(**kw):
     vllm_config, kv_cache_config = engine_config(**kw)
     vllm_config.kv_events_config = SimpleNamespace(enable_kv_cache_events=True)

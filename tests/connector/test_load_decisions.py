@@ -122,7 +122,7 @@ def test_the_decision_follows_the_measured_load_speed(tmp_path, monkeypatch, cap
     assert stats["decided_load"] == MIN_LOAD_SAMPLES
     assert stats["decided_recompute"] == 2
     assert stats["declined_tokens"] == 2 * BLOCKS * BLOCK
-    assert side.policy.decide(BLOCKS, side._hit_bytes(1), BLOCK).load_s > 0.4
+    assert side.policy.decide(BLOCKS, side._hit_bytes(0, 1), BLOCK).load_s > 0.4
     turns = [r.getMessage() for r in caplog.records if "load policy" in r.getMessage()]
     assert len(turns) == 1
     assert "declining hits" in turns[0]
@@ -138,7 +138,7 @@ def test_the_decision_follows_the_measured_load_speed(tmp_path, monkeypatch, cap
     assert stats["decided_load"] == MIN_LOAD_SAMPLES + 2
     assert stats["decided_recompute"] == 0
     assert side.policy.measured()
-    estimate = side.policy.decide(BLOCKS, side._hit_bytes(1), BLOCK)
+    estimate = side.policy.decide(BLOCKS, side._hit_bytes(0, 1), BLOCK)
     assert estimate.load_s < 0.2 * estimate.recompute_s
     for worker in (fast, slow):
         worker.close()
@@ -167,7 +167,7 @@ def test_a_short_hit_loads_when_its_step_loads_another(tmp_path):
     cfg = settings(tmp_path)
     side = SchedulerSide(*engine_config(), cfg)
     # 2 ms a load plus 0.01 ms a block, against 0.256 ms to recompute a block
-    side.policy = measured_policy(0.002, 1e-5 / side._hit_bytes(1), 1.6e-5)
+    side.policy = measured_policy(0.002, 1e-5 / side._hit_bytes(0, 1), 1.6e-5)
     long, short, alone = (
         make_request(name, [n] * (blocks * BLOCK + 1))
         for name, n, blocks in (("long", 7, 8), ("short", 8, 1), ("alone", 9, 1))

@@ -319,6 +319,6 @@ def test_the_load_policy_prices_one_state_per_hit_not_one_per_block(tmp_path):
     side = SchedulerSide(*state_config(), settings(tmp_path))
     state_bytes_, kv_bytes = side.group_block_bytes
     assert state_bytes_ == 2 * STATE_BYTES
-    assert side._hit_bytes(1) == state_bytes_ + kv_bytes
-    assert side._hit_bytes(6) == state_bytes_ + 6 * kv_bytes
+    assert side._hit_bytes(0, 1) == state_bytes_ + kv_bytes
+    assert side._hit_bytes(0, 6) == state_bytes_ + 6 * kv_bytes
     side.close()

@@ -42,9 +42,8 @@ logger = logging.getLogger(__name__)
 MAX_TRACKED = 262_144
 #: a save is announced at the first step at which the index has it (vLLM
 #: asks for events once per step: an idle server announces its last saves
-#: with its next step); checked each step from CHECK_AFTER_S after the plan
-#: on, and given up (a full ring dropped it) after GIVE_UP_S
-CHECK_AFTER_S = 0.0
+#: with its next step); checked each step, and given up (a full ring dropped
+#: it) GIVE_UP_S after its plan
 GIVE_UP_S = 60.0
 
 
@@ -62,7 +61,6 @@ class _Block:
 
 @dataclass(slots=True)
 class _Pending:
-    due: float
     give_up: float
     blocks: list[_Block]
     lora_id: int | None
@@ -99,11 +97,10 @@ class KVEvents:
         0's), planned for saving this step."""
         blocks = self._blocks(request, group, rows, keys)
         if blocks:
-            now = self._clock()
             lora = getattr(request, "lora_request", None)
             self._pending.append(
                 _Pending(
-                    now + CHECK_AFTER_S, now + GIVE_UP_S, blocks,
+                    self._clock() + GIVE_UP_S, blocks,
                     getattr(lora, "adapter_id", None), getattr(lora, "name", None),
                 )
             )  # fmt: skip
@@ -164,9 +161,6 @@ class KVEvents:
         now = self._clock()
         waiting: list[_Pending] = []
         for pending in self._pending:
-            if pending.due > now:
-                waiting.append(pending)
-                continue
             found = self._store.present([b.key for b in pending.blocks])
             ready = [b for b, here in zip(pending.blocks, found, strict=True) if here]
             self._announce(ready, pending.lora_id, pending.lora_name)
@@ -174,7 +168,7 @@ class KVEvents:
                 b for b, here in zip(pending.blocks, found, strict=True) if not here
             ]
             if rest and pending.give_up > now:  # the writer may still be at it
-                pending.blocks, pending.due = rest, now + CHECK_AFTER_S
+                pending.blocks = rest
                 waiting.append(pending)
         self._pending = waiting
 

@@ -241,18 +241,19 @@ class SchedulerSide:
         joins = bool(self._loads)
         blocks = found - local
         return self.policy.decide(
-            blocks, self._hit_bytes(blocks) // blocks, self.block_size,
+            blocks, self._hit_bytes(local, found) // blocks, self.block_size,
             cached_head, joins=joins,
         )  # fmt: skip
 
-    def _hit_bytes(self, blocks: int) -> int:
-        """What one worker reads for a hit of ``blocks`` blocks: every block of
-        the full-attention groups, a window's tail of each sliding group, one
-        state of each Mamba group (a state weighs about three KV blocks: priced
-        per block, a hybrid's hit would look four times its cost)."""
+    def _hit_bytes(self, local: int, found: int) -> int:
+        """What one worker reads for the hit ``[local, found)``: the blocks each
+        group loads for it (:meth:`.groups.KVGroup.tail_start`: all of a full
+        group's, a window's tail, one state; a state weighs about three KV
+        blocks: priced per block, a hybrid's hit would look four times its
+        cost)."""
         assert self.engine is not None
         return sum(
-            group.blocks_for_hit(blocks, self.block_size) * nbytes
+            (found - max(local, group.tail_start(found, self.block_size))) * nbytes
             for group, nbytes in zip(
                 self.engine.groups, self.group_block_bytes, strict=True
             )

@@ -142,12 +142,11 @@ class StepSaver:
         done = self._backend.new_event()
         done.record(self._xfer)
         blocks = nbytes = 0
-        staged_now = self._staged
-        for staged, _, group in staged_now:
+        for staged, _, group in self._staged:
             self._stores[group].commit_save(staged, done)
             blocks += len(staged.keys)
             nbytes += len(staged.keys) * self._specs[group].block_bytes
-        if any(group in self._state_groups for _, _, group in staged_now):
+        if any(group in self._state_groups for _, _, group in self._staged):
             # vLLM may free a handed-over Mamba block in the next step (its
             # interior states are nulled) and hand it to another request,
             # whose forward would overwrite it while the D2H still reads it:
