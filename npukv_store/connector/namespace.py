@@ -181,6 +181,14 @@ def _describe_group(index: int, raw: Any) -> tuple[KVGroup, dict[str, int]]:
     per_layer = getattr(kv_spec, "kv_cache_specs", None)
     layer_specs = [per_layer[name] for name in names] if per_layer else [kv_spec]
     kind = classify(type(first).__name__, index, names, layer_specs)
+    if kind == "state" and not HANDS_OFF_BOUNDARY_STATES:
+        raise UnsupportedSetup(
+            f"KV cache group {index} is {type(first).__name__} ({len(names)} "
+            f"layer(s), e.g. {names[0]}): vLLM {VLLM_VERSION} hands no Mamba "
+            "state blocks to a connector (kv_connector_block_state, expected "
+            "vLLM 0.32+), and a state read by position may be another "
+            "prefix's"
+        )
     # a state page is padded to the attention page; the bytes stored are the
     # states themselves (MambaSpec.real_page_size_bytes)
     size = "real_page_size_bytes" if kind == "state" else "page_size_bytes"
@@ -196,14 +204,6 @@ def _describe_group(index: int, raw: Any) -> tuple[KVGroup, dict[str, int]]:
             + int(getattr(first, "extra_retained_tokens", 0))
         )
     elif kind == "state":
-        if not HANDS_OFF_BOUNDARY_STATES:
-            raise UnsupportedSetup(
-                f"KV cache group {index} is {type(first).__name__} ({len(names)} "
-                f"layer(s), e.g. {names[0]}): vLLM {VLLM_VERSION} hands no Mamba "
-                "state blocks to a connector (kv_connector_block_state, expected "
-                "vLLM 0.32+), and a state read by position may be another "
-                "prefix's"
-            )
         tail = 1  # the state after the last token of the hit
     return KVGroup(index, kind, names, tail), page_bytes
 
