@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import xxhash
 
 from npukv_store.store.index import Index
-from npukv_store.store.index_rows import ChunkRecord
+from npukv_store.store.index_rows import ChunkRecord, Ledger
 
 NAMESPACE = b"\x01" * 16
 BASE_NS = 1_000_000_000_000_000_000  # far from now: touches in a bench stay younger
@@ -89,15 +89,15 @@ def fill_index(
     """
     started = time.perf_counter()
     spec = FilledIndex(num_keys, rows_per_chunk, chunk_bytes, seed, 0.0)
-    total = 0
     for first in range(0, spec.num_chunks, chunks_per_txn):
         last = min(first + chunks_per_txn, spec.num_chunks)
         records = [spec.record(j) for j in range(first, last)]
         with index._env.begin(write=True) as txn:
+            ledger = Ledger(txn, index._meta)  # the total and each tenant's part
             for record in records:
                 if index._publish_in(txn, record):
-                    total += record.size_bytes
-            txn.put(b"total_bytes", total.to_bytes(8, "little"), db=index._meta)
+                    ledger.add(record.tenant, record.size_bytes)
+            ledger.write()
     return FilledIndex(
         num_keys, rows_per_chunk, chunk_bytes, seed, time.perf_counter() - started
     )

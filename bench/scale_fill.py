@@ -21,20 +21,19 @@ is chunk 0. Chunks carry no data file.
 
 from __future__ import annotations
 
-import struct
 import time
 from typing import Any
 
 import numpy as np
 
+from npukv_store.keying import DEFAULT_TENANT
 from npukv_store.store.index import Index
-from npukv_store.store.index_rows import ChunkRecord
+from npukv_store.store.index_rows import ChunkRecord, Ledger
 
 ROWS = 7  # rows per chunk: DeepSeek's count at 64 MiB chunks (scale-review)
 CHUNK_BYTES = 64 << 20  # nominal size of a chunk, feeds the ledger only
 STEP = 20_000  # chunks per write transaction
 NS = bytes(range(16))
-_U64 = struct.Struct("<Q")
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 #: every bulk chunk's last access lies this far before the fill: older than
 #: any chunk a measured commit adds, so eviction takes bulk chunks first
@@ -116,9 +115,9 @@ def _fill_step(index: Index, lo: int, hi: int, ns: bytes, base_ns: int) -> None:
             )
             if index._publish_in(txn, record) != ROWS:
                 raise RuntimeError(f"bulk chunk {chunk}: a key was stored already")
-        raw = txn.get(b"total_bytes", db=meta)
-        total = _U64.unpack(raw)[0] if raw else 0
-        txn.put(b"total_bytes", _U64.pack(total + (hi - lo) * CHUNK_BYTES), db=meta)
+        ledger = Ledger(txn, meta)  # the total and each tenant's part
+        ledger.add(DEFAULT_TENANT, (hi - lo) * CHUNK_BYTES)
+        ledger.write()
 
 
 def check_records(index: Index, chunks: int, first: int = 0) -> None:

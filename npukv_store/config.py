@@ -17,6 +17,7 @@ that reference.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -98,6 +99,58 @@ def _parse_number(value: object, key: str, kind: type[int] | type[float]) -> Any
         ) from None
 
 
+def _parse_shares(value: object, capacity: int) -> tuple[tuple[str, float | int], ...]:
+    """``tenant_shares`` as ``((salt, fraction or bytes), ...)``, checked.
+
+    A float (or a string with a decimal point) is a fraction of capacity, a
+    string ending in ``%`` a percentage, anything else a byte size."""
+    key = "tenant_shares"
+    if isinstance(value, tuple):  # already parsed (dataclasses.replace)
+        value = dict(value)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value) if value.strip() else {}
+        except ValueError:
+            raise ConfigError(
+                f"{key}: found {value!r}, expected a JSON object such as "
+                '{"tenant-a": 0.3, "": "100GiB"}'
+            ) from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"{key}: found {type(value).__name__} {value!r}, expected a mapping "
+            "from cache_salt to a share (0.3, '30%' or '200GiB')"
+        )
+    shares: list[tuple[str, float | int]] = []
+    used = 0.0
+    for salt, share in value.items():
+        if not isinstance(salt, str):
+            raise ConfigError(f"{key}: found salt {salt!r}, expected a string")
+        what = f"{key}[{salt!r}]"
+        text = share.strip() if isinstance(share, str) else ""
+        parsed: float | int
+        if isinstance(share, float) or text.endswith("%") or "." in text:
+            number = _parse_number(text.rstrip("%") or share, what, float)
+            parsed = number / 100 if text.endswith("%") else number
+            if not (math.isfinite(parsed) and 0 < parsed <= 1):
+                raise ConfigError(
+                    f"{what}: found {share!r}, expected a fraction in (0, 1], a "
+                    "percentage or a byte size"
+                )
+            used += parsed
+        else:
+            parsed = parse_size(share, key=what)
+            if parsed == 0:
+                raise ConfigError(f"{what}: found 0, expected a share > 0")
+            used += parsed / max(capacity, 1)
+        shares.append((salt, parsed))
+    if used > 1 + 1e-9:
+        raise ConfigError(
+            f"{key}: found shares adding up to {used:.0%} of capacity "
+            f"({capacity} bytes), expected at most 100%"
+        )
+    return tuple(shares)
+
+
 def _doc(
     text: str,
     *,
@@ -147,6 +200,21 @@ class StoreConfig:
             "together: a commit that needs room evicts the least recently used "
             "chunks. Sizing it: docs/guide/operations.md.",
             unit="bytes",
+        ),
+    )
+    tenant_shares: tuple[tuple[str, float | int], ...] = field(
+        default=(),
+        metadata=_doc(
+            "Capacity reserved per tenant: a mapping from a request's "
+            "cache_salt to its share, a fraction of capacity (0.3 or '30%') "
+            "or a byte size ('200GiB'); the salt \"\" is requests without "
+            "one. Eviction takes from tenants over their share first, and "
+            "never evicts a tenant under its share for another tenant's "
+            "saves; unlisted tenants have a share of 0. Shares add up to at "
+            "most capacity. Empty (default): one LRU for all. Files and "
+            "metrics name a tenant by a keyed digest of its salt, never the "
+            "salt (docs/guide/tenants-and-pins.md).",
+            unit="shares",
         ),
     )
     ring_size: int = field(
@@ -456,6 +524,9 @@ class StoreConfig:
         object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
         for key in ("capacity", "ring_size", "chunk_target_size", "index_map_size"):
             object.__setattr__(self, key, parse_size(getattr(self, key), key=key))
+        object.__setattr__(
+            self, "tenant_shares", _parse_shares(self.tenant_shares, self.capacity)
+        )
         self._check_choice("io_engine", ("auto", "uring", "threads"))
         self._check_choice("fsync", ("chunk", "never"))
         self._check_choice("verify", ("always", "never"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
 import textwrap
@@ -85,6 +86,8 @@ def format_default(field: dataclasses.Field[object]) -> str:
         return f"`{str(value).lower()}`"
     if isinstance(value, float):
         return f"`{value:g}`"
+    if isinstance(value, tuple):  # a mapping, kept as pairs (hashable)
+        return f"`{json.dumps(dict(value))}`"
     if value == "":
         return '`""`'
     return f"`{value}`"
@@ -98,6 +101,8 @@ def format_type(field: dataclasses.Field[object]) -> str:
     unit: str = field.metadata["unit"]
     if unit == "bytes":
         return "size"
+    if unit == "shares":
+        return "mapping: cache_salt -> fraction or size"
     kind = str(field.type)
     return f"{kind}, {unit}" if unit else kind
 

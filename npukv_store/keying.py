@@ -20,6 +20,10 @@ nothing about another:
                    secret's otherwise
     name key       remote key name = BLAKE2b(name key, namespace || chain key)
     MAC key        remote value MAC = BLAKE2b(MAC key, header || checksums)
+    tenant key     a tenant's name = BLAKE2b-64(tenant key, cache salt), from
+                   the cache secret (tenants are the directory's own)
+    pin key        a pinned prompt's digests (npukv_store.store.pins), from
+                   the cache secret: what ``npukv pin`` and servers compare
 
 Local keys are the chain itself; remote names are a PRF of it under another
 key, so the names the Mooncake master lists reveal neither the chain nor the
@@ -37,6 +41,10 @@ from npukv_store.errors import ConfigError
 
 SECRET_BYTES = 32
 CACHE_SECRET_FILE = "secret"
+TENANT_BYTES = 8
+#: the tenant of requests without a cache salt (and of chunks written before
+#: tenants: their headers name none)
+DEFAULT_TENANT = bytes(TENANT_BYTES)
 
 
 def derive(secret: bytes, purpose: bytes) -> bytes:
@@ -94,6 +102,19 @@ def read_secret_file(
     return data
 
 
+def tenant_digest(tenant_key: bytes, cache_salt: str | None) -> bytes:
+    """The 8-byte name of the tenant of ``cache_salt`` (docs/decisions/0067):
+    files and metrics carry it, never the salt, and nobody without the cache
+    secret can tell which salt it names. No salt (or ""): the default tenant,
+    as vLLM's prefix cache treats an empty salt as none."""
+    if not cache_salt:
+        return DEFAULT_TENANT
+    digest = hashlib.blake2b(
+        cache_salt.encode(), key=tenant_key, digest_size=TENANT_BYTES
+    ).digest()
+    return digest if digest != DEFAULT_TENANT else b"\xff" * TENANT_BYTES
+
+
 @dataclass(frozen=True, slots=True)
 class RemoteKeys:
     """What the remote tier keys with: its key names and its values' MACs.
@@ -123,6 +144,8 @@ class KeyDomain:
 
     chain_key: bytes
     remote: RemoteKeys | None = None
+    tenant_key: bytes = b""  # from the cache secret, whatever the chain's domain
+    pin_key: bytes = b""
 
     @classmethod
     def for_config(
@@ -139,16 +162,25 @@ class KeyDomain:
         Raises:
             ConfigError: ``remote_secret_file`` is named but unusable.
         """
+        tenant_key = derive(cache_secret, b"tenant")
+        pin_key = derive(cache_secret, b"pin")
         if remote_store != "none" and remote_secret_file:
             shared = read_secret_file(remote_secret_file, what="remote_secret_file")
             insecure = False
         elif remote_store != "none" and remote_insecure:
             shared, insecure = INSECURE_REMOTE_SECRET, True
         else:
-            return cls(derive(cache_secret, b"chain"))
+            return cls(derive(cache_secret, b"chain"), None, tenant_key, pin_key)
         return cls(
-            derive(shared, b"chain"), RemoteKeys.from_secret(shared, insecure=insecure)
+            derive(shared, b"chain"),
+            RemoteKeys.from_secret(shared, insecure=insecure),
+            tenant_key,
+            pin_key,
         )
+
+    def tenant(self, cache_salt: str | None) -> bytes:
+        """The tenant of ``cache_salt`` (:func:`tenant_digest`)."""
+        return tenant_digest(self.tenant_key, cache_salt)
 
 
 def remote_keys_for(

@@ -96,3 +96,34 @@ def test_remote_store_mooncake_needs_a_master_address():
         cache_dir="/x", remote_store="Mooncake", mooncake_master=" 10.0.0.5:50051 "
     )
     assert (cfg.remote_store, cfg.mooncake_master) == ("mooncake", "10.0.0.5:50051")
+
+
+def test_tenant_shares_take_fractions_percentages_and_sizes():
+    config = StoreConfig(
+        cache_dir="/x", capacity="100GiB",
+        tenant_shares={"a": 0.25, "b": "10%", "": "20GiB", "c": "0.05"},
+    )  # fmt: skip
+    assert config.tenant_shares == (
+        ("a", 0.25), ("b", 0.1), ("", 20 << 30), ("c", 0.05),
+    )  # fmt: skip
+    from_env = StoreConfig.from_extra_config(
+        {"cache_dir": "/x"}, env={"NPUKV_TENANT_SHARES": '{"a": 0.5}'}
+    )
+    assert from_env.tenant_shares == (("a", 0.5),)
+
+
+@pytest.mark.parametrize(
+    ("shares", "fragment"),
+    [
+        ({"a": 1.5}, "tenant_shares['a']: found 1.5, expected a fraction in (0, 1]"),
+        ({"a": "0%"}, "tenant_shares['a']: found '0%'"),
+        ({"a": 0}, "tenant_shares['a']: found 0, expected a share > 0"),
+        ({"a": "200GiB"}, "adding up to 200% of capacity"),
+        ("not json", "tenant_shares: found 'not json', expected a JSON object"),
+        ({1: 0.5}, "tenant_shares: found salt 1, expected a string"),
+    ],
+)
+def test_bad_tenant_shares_are_one_clear_error(shares, fragment):
+    with pytest.raises(ConfigError) as caught:
+        StoreConfig(cache_dir="/x", capacity="100GiB", tenant_shares=shares)
+    assert fragment in str(caught.value)

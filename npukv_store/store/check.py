@@ -6,10 +6,11 @@ process is reported as such only when its creator is dead.
 
 Invariants (each violation is one line of the returned list):
  1. the ledger's total equals the sum of the chunk records' sizes, and stays
-    within capacity;
- 2. the LRU has exactly one entry per chunk record, at its last access;
+    within capacity; each tenant's part equals the sum of its records' sizes;
+ 2. the LRU has exactly one entry per unpinned chunk record, at its last
+    access, and a chunk is pinned exactly when a pin holds one of its home keys;
  3. every chunk record has its file, of the recorded size, with a valid header of
-    its namespace whose keys are the record's keys;
+    its namespace whose keys and tenant are the record's;
  4. every key row points to a chunk record whose row holds that key, and each
     record's live row count equals the rows that point to it;
  5. no tmp/ file of a dead writer and no removable orphan chunk file remains
@@ -26,10 +27,11 @@ import numpy as np
 
 from npukv_store.config import StoreConfig
 from npukv_store.errors import FormatError
+from npukv_store.keying import DEFAULT_TENANT
 from npukv_store.store import recovery
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.dirfd import UnsafeEntry
-from npukv_store.store.format import ChunkHeader, layer_checksums
+from npukv_store.store.format import META_TENANT, ChunkHeader, layer_checksums
 from npukv_store.store.format_checks import parse_header
 from npukv_store.store.index import Index
 from npukv_store.store.index_rows import ChunkRecord
@@ -47,13 +49,23 @@ def check_store(
         problems.append(f"ledger total {total} != sum of chunk sizes {size_sum}")
     if total > config.capacity:
         problems.append(f"total {total} bytes exceeds capacity {config.capacity}")
+    by_tenant: Counter[bytes] = Counter()
+    for chunk in records.values():
+        by_tenant[chunk.tenant] += chunk.size_bytes
+    ledger, _ = index.tenants()
+    if ledger != {t: n for t, n in by_tenant.items() if n}:
+        problems.append(
+            f"tenant ledger {_hex(ledger)} != chunk sizes per tenant {_hex(by_tenant)}"
+        )
     lru = dict((cid, ns) for ns, cid in index.iter_lru())
-    expected_lru = {cid: r.last_access_ns for cid, r in records.items()}
+    expected_lru = {cid: r.last_access_ns for cid, r in records.items() if not r.pinned}
     if lru != expected_lru:
         problems.append(
-            f"LRU has {len(lru)} entries, {len(expected_lru)} chunk records"
+            f"LRU has {len(lru)} entries, {len(expected_lru)} unpinned chunk records"
         )
     homes: Counter[int] = Counter()
+    pinned_keys = index.pinned_key_set()
+    holds_pinned: set[int] = set()
     for key, chunk_id, row in index.iter_keys():
         record = records.get(chunk_id)
         if record is None or row >= record.num_rows or record.keys[row] != key:
@@ -61,6 +73,14 @@ def check_store(
                 f"key {key.hex()} points to chunk {chunk_id:016x} row {row}"
             )
         homes[chunk_id] += 1
+        if key in pinned_keys:
+            holds_pinned.add(chunk_id)
+    for chunk_id, record in records.items():
+        if record.pinned != (chunk_id in holds_pinned):
+            problems.append(
+                f"chunk {chunk_id:016x}: pinned {record.pinned}, but a pin holds "
+                f"{'one' if chunk_id in holds_pinned else 'none'} of its keys"
+            )
     for chunk_id, record in records.items():
         if homes[chunk_id] != record.live_rows:
             problems.append(
@@ -90,6 +110,11 @@ def chunk_file_problems(
         header = parse_header(fd, path, namespace=record.namespace.hex())
         if header.file_size != record.size_bytes or header.keys != record.keys:
             return [f"chunk {path}: size or keys differ from its index record"]
+        tenant = header.metadata.get(META_TENANT, DEFAULT_TENANT.hex())
+        if tenant != record.tenant.hex():
+            return [
+                f"chunk {path}: tenant {tenant}, its record's {record.tenant.hex()}"
+            ]
         if verify_data:
             return _verify_rows(fd, header)
     except FormatError as exc:
@@ -97,6 +122,10 @@ def chunk_file_problems(
     finally:
         os.close(fd)
     return []
+
+
+def _hex(counts: dict[bytes, int]) -> dict[str, int]:
+    return {t.hex(): n for t, n in sorted(counts.items())}
 
 
 def _verify_rows(fd: int, header: ChunkHeader) -> list[str]:

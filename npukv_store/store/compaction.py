@@ -185,11 +185,14 @@ def _rewrite(
     # The oldest source's creation time: a rebuilt index (which re-publishes
     # oldest first) then gives each key the home it has now.
     created_ns = min(created)
+    tenant = group[0].tenant  # merge_groups keeps a group to one tenant
     path, size = write_chunk(
         store.dir, spec, store.namespace, chunk_id, new_keys, rows,
-        created_ns=created_ns, sync=config.fsync == "chunk",
+        created_ns=created_ns, sync=config.fsync == "chunk", tenant=tenant,
     )  # fmt: skip
-    record = ChunkRecord.new(chunk_id, store.fingerprint, new_keys, size, created_ns)
+    record = ChunkRecord.new(
+        chunk_id, store.fingerprint, new_keys, size, created_ns, tenant
+    )
     live_rows, removed = publisher.replace(record, path, sources, old_ids)
     tally.rewritten += len(removed)
     tally.written += 1 if live_rows else 0

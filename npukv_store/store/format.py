@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from npukv_store import native
+from npukv_store.keying import DEFAULT_TENANT
 from npukv_store.native import BufferLike
 from npukv_store.spec import CHECKSUM_TENSOR, FORMAT_VERSION, NamespaceSpec
 
@@ -59,6 +60,9 @@ META_KEYS = "npukv_keys"
 META_LAYERS = "npukv_layers"
 META_CREATOR = "npukv_creator"
 META_CREATED_NS = "npukv_created_ns"
+#: optional: the hex tenant digest of the saves that made the chunk (absent:
+#: the default tenant; docs/decisions/0067)
+META_TENANT = "npukv_tenant"
 REQUIRED_META = (META_FORMAT, META_NAMESPACE, META_KEYS, META_LAYERS, META_CREATOR)
 
 
@@ -185,6 +189,7 @@ def encode_header(
     *,
     creator: str,
     created_ns: int,
+    tenant: bytes = DEFAULT_TENANT,
 ) -> bytes:
     """The header of a chunk of ``keys`` (8-byte length + JSON + space padding).
 
@@ -219,6 +224,8 @@ def encode_header(
             META_CREATED_NS: str(created_ns),
         }
     }
+    if tenant != DEFAULT_TENANT:
+        body["__metadata__"][META_TENANT] = tenant.hex()  # type: ignore[index]
     layout = ChunkLayout(spec, num_blocks)
     for part in layout.parts():
         body[part.name] = {

@@ -11,6 +11,8 @@ the last committed state and the lock is recovered by the next writer.
     commit_chunk()  - publish a chunk's rows, first commit wins, evict to capacity
     remove_chunks() - unpublish chunks (the caller unlinks their files after)
     touch()         - move chunks to the young end of the LRU
+    pin_keys()      - pin keys for a pin the operator made (npukv pin);
+    unpin()         - and undo it (docs/decisions/0067)
     removed_since() - the keys that left the index since a position of its
                       removal log (KV events: docs/decisions/0066)
 
@@ -19,14 +21,18 @@ Databases (keys and values are fixed-layout bytes: :mod:`.index_rows`):
             row 0 of a chunk whose rows are all home: then the keys of its
             other rows (so a chain's lookup descends once per chunk)
     chunks  chunk id u64 BE   -> ChunkRecord              (one per published chunk)
-    lru     last access ns u64 BE + chunk id u64 BE -> '' (eviction order)
+    lru     tenant 8 bytes + last access ns u64 BE + chunk id u64 BE -> ''
+            (eviction order within each tenant; pinned chunks have none)
     meta    b"schema" -> SCHEMA, b"total_bytes" -> u64    (global capacity ledger),
-            b"capacity" -> u64 (the capacity of the latest commit: what
-            the maintenance job and ``npukv stats`` report against)
+            b"tenant/" + tenant -> u64 (each tenant's part of it),
+            b"capacity" -> u64 and b"shares" -> (tenant, u64)* (the latest
+            commit's capacity and tenant shares: what the maintenance job and
+            ``npukv stats`` report against), b"pin/" + id -> a pin's JSON
     dead    chunk id u64 BE   -> namespace 16 bytes       (unpublished, file may
                                                          still await its unlink)
     removed sequence u64 BE   -> 16-byte keys              (the keys one unpublish
             took out of ``keys``, oldest first, at most REMOVED_LOG_ENTRIES)
+    pins    pinned keys, both ways (:mod:`.index_pins`)
 
 The index is a cache of what the chunk files say; :mod:`.recovery` rebuilds it.
 Why LMDB and not SQLite: docs/decisions/0001 (measured 256-key lookups and commits).
@@ -37,34 +43,42 @@ rows are in :mod:`.index_rows`.
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from itertools import repeat
 
 import lmdb
 
 from npukv_store.errors import FormatError
-from npukv_store.store import policy
+from npukv_store.store import index_pins, policy
 from npukv_store.store.envs import open_env, release_env
+from npukv_store.store.index_pins import PIN_RECORD, PinDbs
 from npukv_store.store.index_rows import (
     CID,
     HOME,
     LOC_FMT,
     LRU_FMT,
+    SHARES,
     U64,
     ChunkRecord,
     CommitResult,
+    Ledger,
     RemovedKeys,
     listed_run,
+    pack_shares,
+    tenant_usage,
     total_bytes,
+    unpack_shares,
     whole_home,
 )
 from npukv_store.store.permissions import Access
 
 SEQ = CID  # a removal log entry's position: u64 big-endian, so the log sorts
 
-SCHEMA = b"npukv-index-2"  # 2: row 0 of a whole chunk lists its other keys
+#: 2: row 0 of a whole chunk lists its other keys; 3: tenants and pins
+SCHEMA = b"npukv-index-3"
 #: entries kept in the removal log (one per unpublished chunk that lost keys):
 #: a reader further behind sees a gap (docs/decisions/0066)
 REMOVED_LOG_ENTRIES = 8192
@@ -104,7 +118,7 @@ class Index:
             raise FormatError(f"{path}: index schema {schema!r}, expected {SCHEMA!r}")
 
     def _open_dbs(self) -> bytes | None:
-        """Open the six databases; the schema found (None: a new index).
+        """Open the seven databases; the schema found (None: a new index).
 
         One explicit write transaction: ``open_db`` without one begins it
         holding the GIL, which deadlocks against a thread of ours
@@ -114,14 +128,15 @@ class Index:
         it holds LMDB's writer lock for microseconds.
         """
         with self._env.begin(write=True) as txn:
-            names = (b"keys", b"chunks", b"lru", b"meta", b"dead", b"removed")
+            names = (b"keys", b"chunks", b"lru", b"meta", b"dead", b"removed", b"pins")
             dbs = [self._env.open_db(name, txn=txn) for name in names]
             schema = txn.get(b"schema", db=dbs[3])
             if schema is None:
                 txn.put(b"schema", SCHEMA, db=dbs[3])
                 txn.put(b"total_bytes", U64.pack(0), db=dbs[3])
         self._keys, self._chunks, self._lru, self._meta, self._dead = dbs[:5]
-        self._removed = dbs[5]
+        self._removed, self._pins = dbs[5:]
+        self._pin_dbs = PinDbs(self._pins, self._keys, self._chunks, self._lru)
         return schema
 
     def close(self) -> None:
@@ -197,10 +212,14 @@ class Index:
                 yield bytes(key), chunk_id, row
 
     def iter_lru(self) -> Iterator[tuple[int, int]]:
-        """Every ``(last access ns, chunk id)``, oldest first."""
+        """Every ``(last access ns, chunk id)`` of the LRU, oldest first over
+        all tenants (pinned chunks are not in it)."""
         with self._env.begin(db=self._lru) as txn:
-            for raw, _ in txn.cursor():
-                yield LRU_FMT.unpack(raw)
+            runs = [
+                self._tenant_lru(txn, tenant)
+                for tenant in tenant_usage(txn, self._meta)
+            ]
+            yield from heapq.merge(*runs)
 
     def recorded_capacity(self) -> int | None:
         """The ``capacity`` of the latest committing process (None before the
@@ -209,6 +228,12 @@ class Index:
         with self._env.begin(db=self._meta) as txn:
             raw = txn.get(b"capacity")
         return None if raw is None else int(U64.unpack(raw)[0])
+
+    def tenants(self) -> tuple[dict[bytes, int], dict[bytes, int]]:
+        """Each tenant's bytes (the ledger) and share in bytes (the latest
+        committer's; absent: 0), from one snapshot."""
+        with self._env.begin(db=self._meta) as txn:
+            return tenant_usage(txn, self._meta), unpack_shares(txn.get(SHARES))
 
     def totals(self) -> tuple[int, int, int]:
         """``(total bytes, chunks, keys)`` from the ledger and the db sizes."""
@@ -230,34 +255,42 @@ class Index:
         grace_ns: int,
         touched: Iterable[bytes] = (),
         unlinked: Iterable[int] = (),
+        shares: Mapping[bytes, int] | None = None,
     ) -> CommitResult:
         """Publish ``record``: each key absent from the index gets this chunk's row.
 
         Keys already stored keep their home (first commit wins) and this chunk's
         row is dead space. If the chunk wins no row, nothing is published. To stay
-        within ``capacity_bytes``, chunks are evicted oldest first, skipping those
-        touched within ``grace_ns``; if that cannot make room the chunk is
-        rejected (a cache may refuse; it must not overflow). ``touched`` chunk ids
-        (from lookups) are refreshed, and the tombstones of ``unlinked`` chunks
-        (files removed since) are dropped, in the same transaction.
+        within ``capacity_bytes``, chunks are evicted by :func:`.policy.pick_victims`
+        (the oldest of the tenants over their ``shares``, then the committing
+        tenant's own), skipping those touched within ``grace_ns``; if that cannot
+        make room the chunk is rejected (a cache may refuse; it must not
+        overflow). ``touched`` chunk ids (from lookups) are refreshed, and the
+        tombstones of ``unlinked`` chunks (files removed since) are dropped, in
+        the same transaction. ``shares`` (tenant -> bytes) are recorded for the
+        maintenance job; None keeps the recorded ones.
         """
         with self._env.begin(write=True) as txn:
             self._touch_in(txn, touched, record.last_access_ns)
             self._forget_in(txn, unlinked)
-            total = total_bytes(txn, self._meta)
-            victims = self._pick_victims(
+            ledger = Ledger(txn, self._meta)
+            if shares is None:
+                shares = unpack_shares(txn.get(SHARES, db=self._meta))
+            victims, covered = self._pick_victims(
                 txn,
-                total + record.size_bytes - capacity_bytes,
+                ledger.total + record.size_bytes - capacity_bytes,
                 record.last_access_ns - grace_ns,
+                shares,
+                record.tenant,
             )
-            if victims is None:
+            if not covered:
                 return CommitResult(0, True, ())
             # Victims go first: a key whose home is a victim is then free for
             # this chunk, instead of vanishing from the index with the victim.
             gone: list[bytes] = []
             for victim in victims:
                 gone += self._unpublish_in(txn, victim, log=False)
-                total -= victim.size_bytes
+                ledger.add(victim.tenant, -victim.size_bytes)
             live = self._publish_in(txn, record)
             if live == 0:
                 txn.abort()  # nothing won: evicting for it would be pure loss
@@ -266,26 +299,35 @@ class Index:
             gone = [key for key in gone if key not in kept]
             if gone:
                 self._log_removed_in(txn, b"".join(gone))
-            txn.put(b"total_bytes", U64.pack(total + record.size_bytes), db=self._meta)
+            ledger.add(record.tenant, record.size_bytes)
+            ledger.write()
             if capacity_bytes < 1 << 62:  # rebuilds pass "unlimited"
                 txn.put(b"capacity", U64.pack(capacity_bytes), db=self._meta)
+                packed = pack_shares(dict(shares))
+                if txn.get(SHARES, db=self._meta) != packed:
+                    txn.put(SHARES, packed, db=self._meta)
         return CommitResult(live, False, tuple(victims))
 
     def _publish_in(self, txn: lmdb.Transaction, record: ChunkRecord) -> int:
         """Give each of ``record``'s keys absent from the index this chunk's
         row, and publish the record if it won a row; the rows won. Leaves the
         ledger to the caller (bench/index_fill.py adds many chunks per txn)."""
-        live = 0
-        for row, key in enumerate(record.keys):
-            live += txn.put(
+        won = [
+            key
+            for row, key in enumerate(record.keys)
+            if txn.put(
                 key, LOC_FMT.pack(record.chunk_id, row), overwrite=False, db=self._keys
             )
+        ]
+        live = len(won)
         if live == len(record.keys) > 1:  # all rows home: row 0 lists the others
             txn.put(record.keys[0], whole_home(record), db=self._keys)
-        if live:
-            rec = replace(record, live_rows=live)
+        if live:  # pinned if a pin holds a row it won (not one homed elsewhere)
+            pinned = index_pins.any_pinned(txn, self._pins, won)
+            rec = replace(record, live_rows=live, pinned=pinned)
             txn.put(CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
-            txn.put(LRU_FMT.pack(rec.last_access_ns, rec.chunk_id), b"", db=self._lru)
+            if not pinned:
+                txn.put(rec.lru_key, b"", db=self._lru)
         return live
 
     def replace_chunks(
@@ -322,15 +364,20 @@ class Index:
                 return 0, []
             if live == len(record.keys) > 1:
                 txn.put(record.keys[0], whole_home(record), db=self._keys)
-            total = total_bytes(txn, self._meta)
+            ledger = Ledger(txn, self._meta)
             removed, last = [], record.last_access_ns
             for chunk_id in old_ids:
                 raw = txn.get(CID.pack(chunk_id), db=self._chunks)
                 if raw is None:
                     continue  # evicted meanwhile
                 old = ChunkRecord.unpack(chunk_id, raw)
+                if old.pinned or old.tenant != record.tenant:
+                    # pinned since the plan: compaction never moves a pinned
+                    # block (and a chunk holds one tenant's blocks)
+                    txn.abort()
+                    return 0, []
                 self._unpublish_in(txn, old)
-                total -= old.size_bytes
+                ledger.add(old.tenant, -old.size_bytes)
                 last = max(last, old.last_access_ns)
                 removed.append(old)
             # A source left published is no longer whole: its row 0 must stop
@@ -356,59 +403,49 @@ class Index:
                 return 0, []
             rec = replace(record, live_rows=live, last_access_ns=last)
             txn.put(CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
-            txn.put(LRU_FMT.pack(last, rec.chunk_id), b"", db=self._lru)
-            txn.put(b"total_bytes", U64.pack(total + rec.size_bytes), db=self._meta)
+            txn.put(rec.lru_key, b"", db=self._lru)
+            ledger.add(rec.tenant, rec.size_bytes)
+            ledger.write()
         return live, removed
 
     def evict(self, excess: int, *, young_after_ns: int) -> list[ChunkRecord]:
-        """Unpublish the oldest chunks until ``excess`` bytes are gone, sparing
-        chunks used after ``young_after_ns`` (the maintenance job's eviction
-        down to a target; the same rule as a commit's). Evicts as much as the
+        """Unpublish chunks until ``excess`` bytes are gone, by the commits'
+        rule without a committer: the oldest of the tenants over their
+        recorded shares, sparing chunks used after ``young_after_ns`` (the
+        maintenance job's eviction down to a target). Evicts as much as the
         rule allows when it cannot cover all of ``excess``."""
         with self._env.begin(write=True) as txn:
-            victims: list[ChunkRecord] = []
-            while excess > 0:
-                picked = self._pick_victims(txn, excess, young_after_ns)
-                if picked is None:  # not enough: take what is old enough
-                    picked = self._pick_victims(txn, 1, young_after_ns)
-                    if not picked:
-                        break
-                for victim in picked:
-                    self._unpublish_in(txn, victim)
-                    excess -= victim.size_bytes
-                victims += picked
-            total = total_bytes(txn, self._meta) - sum(v.size_bytes for v in victims)
-            txn.put(b"total_bytes", U64.pack(total), db=self._meta)
+            shares = unpack_shares(txn.get(SHARES, db=self._meta))
+            victims, _ = self._pick_victims(txn, excess, young_after_ns, shares, None)
+            ledger = Ledger(txn, self._meta)
+            for victim in victims:
+                self._unpublish_in(txn, victim)
+                ledger.add(victim.tenant, -victim.size_bytes)
+            ledger.write()
         return victims
 
     def evict_plan(self, excess: int, grace_s: float) -> list[int]:
         """The chunk ids :meth:`evict` would remove now (for a dry run)."""
         young_after = time.time_ns() - int(grace_s * 1e9)
         with self._env.begin() as txn:
-            lru = (LRU_FMT.unpack(raw) for raw, _ in txn.cursor(db=self._lru))
-            picked = []
-            for last_ns, chunk_id in lru:
-                if excess <= 0 or last_ns > young_after:
-                    break
-                raw = txn.get(CID.pack(chunk_id), db=self._chunks) or b""
-                excess -= ChunkRecord.unpack(chunk_id, raw).size_bytes
-                picked.append(chunk_id)
-        return picked
+            shares = unpack_shares(txn.get(SHARES, db=self._meta))
+            victims, _ = self._pick_victims(txn, excess, young_after, shares, None)
+        return [victim.chunk_id for victim in victims]
 
     def remove_chunks(self, chunk_ids: Iterable[int]) -> list[ChunkRecord]:
         """Unpublish chunks; returns their records so the caller can unlink files."""
         removed: list[ChunkRecord] = []
         with self._env.begin(write=True) as txn:
-            total = total_bytes(txn, self._meta)
+            ledger = Ledger(txn, self._meta)
             for chunk_id in chunk_ids:
                 raw = txn.get(CID.pack(chunk_id), db=self._chunks)
                 if raw is None:
                     continue
                 record = ChunkRecord.unpack(chunk_id, raw)
                 self._unpublish_in(txn, record)
-                total -= record.size_bytes
+                ledger.add(record.tenant, -record.size_bytes)
                 removed.append(record)
-            txn.put(b"total_bytes", U64.pack(total), db=self._meta)
+            ledger.write()
         return removed
 
     def dead_chunks(self) -> dict[int, bytes]:
@@ -443,15 +480,24 @@ class Index:
             record = ChunkRecord.unpack(chunk_id, raw)
             if record.last_access_ns >= now_ns:
                 continue
-            txn.delete(LRU_FMT.pack(record.last_access_ns, chunk_id), db=self._lru)
-            txn.put(LRU_FMT.pack(now_ns, chunk_id), b"", db=self._lru)
-            txn.put(cid, replace(record, last_access_ns=now_ns).pack(), db=self._chunks)
+            fresh = replace(record, last_access_ns=now_ns)
+            if not record.pinned:  # a pinned chunk has no LRU entry
+                txn.delete(record.lru_key, db=self._lru)
+                txn.put(fresh.lru_key, b"", db=self._lru)
+            txn.put(cid, fresh.pack(), db=self._chunks)
 
     def _pick_victims(
-        self, txn: lmdb.Transaction, excess: int, young_after_ns: int
-    ) -> list[ChunkRecord] | None:
+        self,
+        txn: lmdb.Transaction,
+        excess: int,
+        young_after_ns: int,
+        shares: Mapping[bytes, int],
+        committer: bytes | None,
+    ) -> tuple[list[ChunkRecord], bool]:
         """Records of the chunks :func:`.policy.pick_victims` picks from this
-        transaction's LRU; None if they cannot cover ``excess``."""
+        transaction's LRU, and whether they cover ``excess``."""
+        if excess <= 0:
+            return [], True
         records: dict[int, ChunkRecord] = {}
 
         def size_of(chunk_id: int) -> int:
@@ -459,9 +505,27 @@ class Index:
             records[chunk_id] = ChunkRecord.unpack(chunk_id, raw)
             return records[chunk_id].size_bytes
 
-        lru = (LRU_FMT.unpack(raw) for raw, _ in txn.cursor(db=self._lru))
-        victims = policy.pick_victims(lru, size_of, excess, young_after_ns)
-        return None if victims is None else [records[cid] for cid in victims]
+        usage = tenant_usage(txn, self._meta)
+        tenants = set(usage) | ({committer} if committer is not None else set())
+        runs = {tenant: self._tenant_lru(txn, tenant) for tenant in tenants}
+        victims, covered = policy.pick_victims(
+            runs, size_of, excess, young_after_ns, usage, shares, committer
+        )
+        return [records[cid] for cid in victims], covered
+
+    def _tenant_lru(
+        self, txn: lmdb.Transaction, tenant: bytes
+    ) -> Iterator[tuple[int, int]]:
+        """``(last access ns, chunk id)`` of ``tenant``'s chunks in the LRU,
+        oldest first, read lazily (its cursor opens at the first ``next``)."""
+        cursor = txn.cursor(db=self._lru)
+        if not cursor.set_range(tenant):
+            return
+        for raw in cursor.iternext(keys=True, values=False):
+            owner, last_ns, chunk_id = LRU_FMT.unpack(raw)
+            if owner != tenant:
+                return
+            yield last_ns, chunk_id
 
     def _unpublish_in(
         self, txn: lmdb.Transaction, record: ChunkRecord, *, log: bool = True
@@ -477,7 +541,8 @@ class Index:
                 gone.append(key)
         if gone and log:
             self._log_removed_in(txn, b"".join(gone))
-        txn.delete(LRU_FMT.pack(record.last_access_ns, record.chunk_id), db=self._lru)
+        if not record.pinned:
+            txn.delete(record.lru_key, db=self._lru)
         txn.delete(CID.pack(record.chunk_id), db=self._chunks)
         # The file outlives this commit until its unlink; if the unlinker dies in
         # between, the tombstone tells recovery the file is dead, not in flight.
@@ -572,13 +637,63 @@ class Index:
         since the rebuild read its file) is skipped. Returns chunks published."""
         published = 0
         with self._env.begin(write=True) as txn:
-            total = total_bytes(txn, self._meta)
+            ledger = Ledger(txn, self._meta)
             for record in records:
                 cid = CID.pack(record.chunk_id)
                 if txn.get(cid, db=self._chunks) or txn.get(cid, db=self._dead):
                     continue
                 if self._publish_in(txn, record):
-                    total += record.size_bytes
+                    ledger.add(record.tenant, record.size_bytes)
                     published += 1
-            txn.put(b"total_bytes", U64.pack(total), db=self._meta)
+            ledger.write()
         return published
+
+    # -- pins: keys eviction and compaction never drop (docs/decisions/0067) --
+
+    def add_pin(self, pin_id: bytes, record: bytes) -> None:
+        """Record a pin (its JSON: :class:`~.pins.PinRecord`); servers apply
+        it to their keys when they meet its prompt."""
+        self.add_meta(PIN_RECORD + pin_id, record, overwrite=True)
+
+    def pin_records(self) -> dict[bytes, bytes]:
+        """pin id -> the pin's JSON, for every pin."""
+        found = self.meta_records(PIN_RECORD)
+        return {key[len(PIN_RECORD) :]: value for key, value in found.items()}
+
+    def pin_applied(self, pin_id: bytes, key: bytes) -> bool:
+        """Whether ``pin_id`` holds ``key`` already (a server's check before
+        it applies a pin: one read)."""
+        with self._env.begin(db=self._pins) as txn:
+            return txn.get(index_pins.KEY_SIDE + key + pin_id) is not None
+
+    def pin_keys(self, pin_id: bytes, keys: Sequence[bytes]) -> int | None:
+        """Pin ``keys`` (stored or not) under ``pin_id``: their chunks leave
+        the LRU. Returns the chunks newly pinned, or None when the pin is gone
+        (unpinned since the caller read it: nothing is pinned)."""
+        with self._env.begin(write=True) as txn:
+            if txn.get(PIN_RECORD + pin_id, db=self._meta) is None:
+                return None
+            return len(index_pins.pin_keys(txn, self._pin_dbs, pin_id, keys))
+
+    def unpin(self, pin_id: bytes) -> bool:
+        """Remove a pin and its keys; chunks no other pin holds go back to the
+        LRU at their last access. False when there was no such pin."""
+        with self._env.begin(write=True) as txn:
+            found = txn.delete(PIN_RECORD + pin_id, db=self._meta)
+            index_pins.unpin(txn, self._pin_dbs, pin_id)
+        return bool(found)
+
+    def pinned_key_set(self) -> set[bytes]:
+        """Every key some pin holds (for checks: reads the whole pins db)."""
+        with self._env.begin(db=self._pins) as txn:
+            side = index_pins.KEY_SIDE
+            return {
+                bytes(raw[1:17])
+                for raw in txn.cursor().iternext(keys=True, values=False)
+                if raw[:1] == side
+            }
+
+    def pinned_keys(self, pin_id: bytes) -> int:
+        """How many keys ``pin_id`` holds (over every namespace)."""
+        with self._env.begin() as txn:
+            return index_pins.pinned_key_count(txn, self._pins, pin_id)

@@ -2,7 +2,8 @@
 the record of a published chunk. :mod:`.index` keeps them in LMDB; this module
 says what each value holds (docs/decisions/0060 for row 0's list).
 
-    ChunkRecord  - one published chunk: namespace, size, rows, LRU times, keys
+    ChunkRecord  - one published chunk: namespace, size, rows, LRU times,
+                   keys, tenant, pinned
     CommitResult - what a commit did: rows won, whether refused, victims
     whole_home() - row 0's keys db value in a chunk whose rows are all home
     listed_run() - how many keys of a chain row 0's list vouches for
@@ -16,9 +17,16 @@ from dataclasses import dataclass
 
 import lmdb
 
+from npukv_store.keying import DEFAULT_TENANT, TENANT_BYTES
+
 LOC_FMT = struct.Struct("<QI")  # keys db value: chunk id, row
-REC_FMT = struct.Struct("<16sQIIQQ")  # ns, size, rows, live rows, last ns, created ns
-LRU_FMT = struct.Struct(">QQ")  # big-endian so byte order is time order
+#: ns, size, rows, live rows, last ns, created ns, tenant, flags
+REC_FMT = struct.Struct("<16sQIIQQ8sI")
+#: tenant, last access ns, chunk id: big-endian, so within a tenant byte
+#: order is time order (each tenant's chunks are one run, oldest first)
+LRU_FMT = struct.Struct(">8sQQ")
+PINNED = 1  # ChunkRecord flag: a key of the chunk is pinned (it has no LRU entry)
+TENANT = TENANT_BYTES  # bytes of a tenant digest (keying.tenant_digest)
 U64 = struct.Struct("<Q")
 CID = struct.Struct(">Q")
 KEY = 16  # bytes of a block key
@@ -37,6 +45,8 @@ class ChunkRecord:
     last_access_ns: int
     created_ns: int
     keys: tuple[bytes, ...]
+    tenant: bytes = DEFAULT_TENANT  # whose saves made it (docs/decisions/0067)
+    pinned: bool = False  # a key of it is pinned: never evicted, not in the LRU
 
     @classmethod
     def new(
@@ -46,12 +56,18 @@ class ChunkRecord:
         keys: Sequence[bytes],
         size_bytes: int,
         created_ns: int,
+        tenant: bytes = DEFAULT_TENANT,
     ) -> ChunkRecord:
         """The record of a chunk about to be committed (rows not yet won)."""
         return cls(
             chunk_id, namespace, size_bytes, len(keys), 0, created_ns, created_ns,
-            tuple(keys),
+            tuple(keys), tenant,
         )  # fmt: skip
+
+    @property
+    def lru_key(self) -> bytes:
+        """Its entry in the lru db (pinned chunks have none)."""
+        return LRU_FMT.pack(self.tenant, self.last_access_ns, self.chunk_id)
 
     def pack(self) -> bytes:
         head = REC_FMT.pack(
@@ -61,15 +77,20 @@ class ChunkRecord:
             self.live_rows,
             self.last_access_ns,
             self.created_ns,
+            self.tenant,
+            PINNED if self.pinned else 0,
         )
         return head + b"".join(self.keys)
 
     @classmethod
     def unpack(cls, chunk_id: int, raw: bytes | memoryview) -> ChunkRecord:
-        ns, size, rows, live, last, created = REC_FMT.unpack_from(raw)
+        ns, size, rows, live, last, created, tenant, flags = REC_FMT.unpack_from(raw)
         blob = bytes(raw[REC_FMT.size :])
         keys = tuple(blob[i : i + 16] for i in range(0, len(blob), 16))
-        return cls(chunk_id, ns, size, rows, live, last, created, keys)
+        return cls(
+            chunk_id, ns, size, rows, live, last, created, keys, tenant,
+            bool(flags & PINNED),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +142,60 @@ class RemovedKeys:
     position: int  # where to read next
     keys: list[bytes]  # removed since, oldest first (a key may repeat)
     gap: bool  # entries were dropped before they were read: keys are missing
+
+
+# -- the capacity ledger: total bytes and each tenant's (docs/decisions/0067) --
+
+TENANT_USAGE = b"tenant/"  # meta: tenant/<8-byte digest> -> u64 bytes it holds
+SHARES = b"shares"  # meta: the latest committer's shares, (tenant, u64 bytes)*
+_SHARE = struct.Struct("<8sQ")
+
+
+def pack_shares(shares: dict[bytes, int]) -> bytes:
+    return b"".join(_SHARE.pack(t, n) for t, n in sorted(shares.items()))
+
+
+def unpack_shares(raw: bytes | None) -> dict[bytes, int]:
+    if not raw:
+        return {}
+    return {t: n for t, n in _SHARE.iter_unpack(bytes(raw))}
+
+
+def tenant_usage(txn: lmdb.Transaction, meta: lmdb._Database) -> dict[bytes, int]:
+    """Each tenant's bytes, from the ledger (tenants holding nothing are absent)."""
+    found: dict[bytes, int] = {}
+    cursor = txn.cursor(db=meta)
+    if cursor.set_range(TENANT_USAGE):
+        for key, value in cursor:
+            if not bytes(key).startswith(TENANT_USAGE):
+                break
+            found[bytes(key[len(TENANT_USAGE) :])] = U64.unpack(value)[0]
+    return found
+
+
+class Ledger:
+    """The ledger within one write transaction: what it adds and takes per
+    tenant, written once at its end (:meth:`write`)."""
+
+    def __init__(self, txn: lmdb.Transaction, meta: lmdb._Database) -> None:
+        self._txn, self._meta = txn, meta
+        self.total = total_bytes(txn, meta)
+        self._deltas: dict[bytes, int] = {}
+
+    def add(self, tenant: bytes, nbytes: int) -> None:
+        self.total += nbytes
+        self._deltas[tenant] = self._deltas.get(tenant, 0) + nbytes
+
+    def write(self) -> None:
+        txn, meta = self._txn, self._meta
+        txn.put(b"total_bytes", U64.pack(max(self.total, 0)), db=meta)
+        for tenant, delta in self._deltas.items():
+            if not delta:
+                continue
+            key = TENANT_USAGE + tenant
+            raw = txn.get(key, db=meta)
+            held = (U64.unpack(raw)[0] if raw is not None else 0) + delta
+            if held > 0:
+                txn.put(key, U64.pack(held), db=meta)
+            elif raw is not None:
+                txn.delete(key, db=meta)

@@ -50,8 +50,12 @@ class Publisher:
         claims: ClaimTable,
         config: StoreConfig,
         counters: StoreCounters,
+        *,
+        shares: dict[bytes, int] | None = None,
     ) -> None:
         self.dir = cdir
+        #: tenant -> bytes of capacity reserved for it (config.tenant_shares)
+        self.shares = shares or {}
         self.index = index
         self.claims = claims
         self.config = config
@@ -112,6 +116,7 @@ class Publisher:
                     record,
                     capacity_bytes=self.config.capacity,
                     grace_ns=grace_ns,
+                    shares=self.shares,
                     touched=touched,
                     unlinked=self.take_unlinked(),
                 )

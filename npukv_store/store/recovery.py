@@ -37,9 +37,10 @@ import time
 from dataclasses import dataclass
 
 from npukv_store.errors import FormatError
+from npukv_store.keying import DEFAULT_TENANT, TENANT_BYTES
 from npukv_store.store.directory import HOST, CacheDir, creator_alive
 from npukv_store.store.dirfd import UnsafeEntry
-from npukv_store.store.format import META_CREATED_NS, META_CREATOR
+from npukv_store.store.format import META_CREATED_NS, META_CREATOR, META_TENANT
 from npukv_store.store.format_checks import parse_header
 from npukv_store.store.index import Index
 from npukv_store.store.index_rows import ChunkRecord
@@ -274,6 +275,11 @@ def _record_from_file(
         os.close(fd)
     now = time.time_ns()
     created = int(header.metadata.get(META_CREATED_NS, "0") or 0)
+    tenant = _tenant_of(header.metadata.get(META_TENANT))
+    if tenant is None:
+        logger.warning("deleting chunk %s: its tenant is not 16 hex digits", path)
+        cdir.unlink_quietly(path)
+        return None
     return ChunkRecord(
         chunk_id=chunk_id,
         namespace=bytes.fromhex(namespace),
@@ -283,7 +289,20 @@ def _record_from_file(
         last_access_ns=min(created, now) if created > 0 else now,
         created_ns=created,
         keys=header.keys,
+        tenant=tenant,
     )
+
+
+def _tenant_of(text: str | None) -> bytes | None:
+    """The tenant a chunk header names (absent: the default tenant); None
+    for a garbled one."""
+    if text is None:
+        return DEFAULT_TENANT
+    try:
+        tenant = bytes.fromhex(text)
+    except ValueError:
+        return None
+    return tenant if len(tenant) == TENANT_BYTES else None
 
 
 def scan_orphans(cdir: CacheDir, index: Index, max_age_s: float) -> OrphanScan:

@@ -38,7 +38,7 @@ from npukv_store.config import StoreConfig
 from npukv_store.hashing import chain_hashes, chain_root, namespace_fingerprint
 from npukv_store.io.ring_sizing import RingRequest
 from npukv_store.io.writer import Event
-from npukv_store.keying import KeyDomain
+from npukv_store.keying import DEFAULT_TENANT, KeyDomain
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import recovery
 from npukv_store.store.arrays import input_rows, merge_reads
@@ -51,6 +51,7 @@ from npukv_store.store.read.plan import ChunkReadPlan, ReadTuning
 from npukv_store.store.read.reader import ChunkReader
 from npukv_store.store.sessions import begin_session
 from npukv_store.store.stats import PutResult, StoreCounters, StoreStats
+from npukv_store.store.tenants import share_bytes
 from npukv_store.store.touches import TouchRecorder
 from npukv_store.store.write.chunk_file import write_chunk
 from npukv_store.store.write.staging import (
@@ -135,8 +136,9 @@ class KVStore:
         if rebuilt or self._session.dead:
             recovery.remove_garbage(self.dir, self.index, self.config.tmp_max_age_s)
         self.publisher = Publisher(
-            self.dir, self.index, self.claims, self.config, self.counters
-        )
+            self.dir, self.index, self.claims, self.config, self.counters,
+            shares=share_bytes(self.config, self.key_domain.tenant),
+        )  # fmt: skip
 
     @property
     def _sync(self) -> bool:
@@ -161,6 +163,12 @@ class KVStore:
         """
         return KVStore(self.config, spec, read_tuning=self._reader.tuning, _parent=self)
 
+    def tenant(self, cache_salt: str | None) -> bytes:
+        """The tenant of requests with ``cache_salt`` (None: the default one),
+        a keyed digest of it (docs/decisions/0067)."""
+        assert self.key_domain is not None  # set by _open
+        return self.key_domain.tenant(cache_salt)
+
     def keys_for(
         self, tokens: Sequence[int] | np.ndarray, extra: bytes = b""
     ) -> list[bytes]:
@@ -174,13 +182,20 @@ class KVStore:
 
     # -- put ------------------------------------------------------------------
 
-    def put(self, keys: Sequence[bytes], tensors: Mapping[str, object]) -> PutResult:
+    def put(
+        self,
+        keys: Sequence[bytes],
+        tensors: Mapping[str, object],
+        *,
+        tenant: bytes = DEFAULT_TENANT,
+    ) -> PutResult:
         """Store a batch of blocks as one chunk.
 
         Args:
             keys: one 16-byte key per block (row).
             tensors: every tensor name of the namespace -> an array (numpy or CPU
                 torch) shaped ``[len(keys), *row_shape]`` of the part's dtype.
+            tenant: whose blocks they are (:meth:`tenant`; docs/decisions/0067).
 
         Returns:
             How many rows were stored, skipped (already stored, or claimed by a
@@ -195,7 +210,7 @@ class KVStore:
         rows = input_rows(self.spec, keys, tensors)
         fresh = self._claim(keys)
         try:
-            return self._put_claimed(keys, rows, fresh)
+            return self._put_claimed(keys, rows, fresh, tenant)
         finally:
             self._release_claims([keys[i] for i in fresh])
 
@@ -205,7 +220,11 @@ class KVStore:
         return self.publisher.claim(keys)
 
     def _put_claimed(
-        self, keys: Sequence[bytes], rows: dict[str, np.ndarray], fresh: list[int]
+        self,
+        keys: Sequence[bytes],
+        rows: dict[str, np.ndarray],
+        fresh: list[int],
+        tenant: bytes,
     ) -> PutResult:
         skipped = len(keys) - len(fresh)
         if not fresh:
@@ -218,9 +237,11 @@ class KVStore:
         created = time.time_ns()
         path, size = write_chunk(
             self.dir, self.spec, self.namespace, chunk_id, keys, rows,
-            created_ns=created, sync=self._sync,
+            created_ns=created, sync=self._sync, tenant=tenant,
         )  # fmt: skip
-        record = ChunkRecord.new(chunk_id, self.fingerprint, keys, size, created)
+        record = ChunkRecord.new(
+            chunk_id, self.fingerprint, keys, size, created, tenant
+        )
         return self.publisher.commit(
             record, path, touched=self.touches.take(), skipped=skipped
         )
@@ -230,6 +251,8 @@ class KVStore:
         keys: Sequence[bytes],
         tensors: Mapping[str, object],
         event: Event | None = None,
+        *,
+        tenant: bytes = DEFAULT_TENANT,
     ) -> PutResult:
         """Stage a batch of blocks in the shared-memory ring and return at once.
 
@@ -253,7 +276,9 @@ class KVStore:
             self._drop_unclaimed(len(keys), exc)
             return PutResult(stored=0, skipped=0, rejected=0, dropped=len(keys))
         try:
-            queued = self._saver().stage(self._target(), keys, rows, fresh, event)
+            queued = self._saver().stage(
+                self._target(), keys, rows, fresh, event, tenant
+            )
         except BaseException:  # e.g. the ring does not fit: keys must stay savable
             self._release_claims([keys[i] for i in fresh])
             raise
@@ -269,7 +294,11 @@ class KVStore:
         )
 
     def begin_save(
-        self, keys: Sequence[bytes], *, to_remote: bool = True
+        self,
+        keys: Sequence[bytes],
+        *,
+        to_remote: bool = True,
+        tenant: bytes = DEFAULT_TENANT,
     ) -> StagedSave | None:
         """Claim the blocks of ``keys`` not stored or in flight and reserve a
         ring region laid out as their chunk, for a caller that fills it layer
@@ -293,7 +322,7 @@ class KVStore:
         try:
             if fresh:
                 staged = self._saver().reserve(
-                    self._target(), batch_keys, to_remote=to_remote
+                    self._target(), batch_keys, to_remote=to_remote, tenant=tenant
                 )
         finally:
             if staged is None:

@@ -227,6 +227,7 @@ def test_namespace_json_of_another_spec(fault, tmp_path):
 GARBLED = {
     "cache_dir": ("", "cache_dir: found ''"),
     "capacity": ("lots", "capacity: found 'lots'"),
+    "tenant_shares": ('{"a": "60%", "b": 0.5}', "tenant_shares: found shares adding"),
     "ring_size": ("-1GiB", "ring_size: found '-1GiB'"),
     "chunk_target_size": ("1.5XB", "chunk_target_size: found '1.5XB'"),
     "io_engine": ("fast", "io_engine: found 'fast'"),

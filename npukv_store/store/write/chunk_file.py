@@ -22,6 +22,7 @@ from npukv_store import native
 from npukv_store.io.direct import open_direct
 from npukv_store.io.engine import IOEngine
 from npukv_store.io.writer import write_image
+from npukv_store.keying import DEFAULT_TENANT
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store.directory import HOST, CacheDir
 from npukv_store.store.format import encode_header, layer_checksums
@@ -42,6 +43,7 @@ def write_chunk(
     *,
     created_ns: int,
     sync: bool,
+    tenant: bytes = DEFAULT_TENANT,
 ) -> tuple[str, int]:
     """Write a chunk of ``keys`` and move its file into place (no index rows yet).
 
@@ -57,8 +59,9 @@ def write_chunk(
         OSError: the write failed; nothing was moved into place.
     """
     header = encode_header(
-        spec, namespace, keys, creator=f"{os.getpid()}@{HOST}", created_ns=created_ns
-    )
+        spec, namespace, keys, creator=f"{os.getpid()}@{HOST}",
+        created_ns=created_ns, tenant=tenant,
+    )  # fmt: skip
     return _publish_file(
         cdir,
         namespace,

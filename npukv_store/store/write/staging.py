@@ -33,6 +33,7 @@ from npukv_store.io.direct import align_up
 from npukv_store.io.engine import IOEngine, make_engine
 from npukv_store.io.ring_sizing import RingRequest, open_ring
 from npukv_store.io.writer import BackgroundWriter, Event, SaveBatch
+from npukv_store.keying import DEFAULT_TENANT
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store.directory import HOST
 from npukv_store.store.format import ChunkLayout, encode_header, layer_checksums
@@ -130,12 +131,13 @@ class AsyncSaver:
         rows: dict[str, np.ndarray],
         fresh: list[int],
         event: Event | None,
+        tenant: bytes = DEFAULT_TENANT,
     ) -> int:
         """Stage the ``fresh`` rows for ``target``; returns how many were
         queued (0: dropped)."""
         if not fresh:
             return 0
-        staged = self.reserve(target, tuple(keys[i] for i in fresh))
+        staged = self.reserve(target, tuple(keys[i] for i in fresh), tenant=tenant)
         if staged is None:
             return 0  # ring full: drop the batch, never wait
         spec = target.spec
@@ -153,10 +155,11 @@ class AsyncSaver:
         batch_keys: tuple[bytes, ...],
         *,
         to_remote: bool = True,
+        tenant: bytes = DEFAULT_TENANT,
     ) -> StagedBatch | None:
-        """A ring region laid out as the chunk of ``batch_keys`` for ``target``,
-        with its header written; the caller fills the data section. None when
-        the ring is full."""
+        """A ring region laid out as the chunk of ``batch_keys`` for ``target``
+        (one ``tenant``'s blocks), with its header written; the caller fills
+        the data section. None when the ring is full."""
         created = time.time_ns()
         header = encode_header(
             target.spec,
@@ -164,6 +167,7 @@ class AsyncSaver:
             batch_keys,
             creator=f"{os.getpid()}@{HOST}",
             created_ns=created,
+            tenant=tenant,
         )
         layout = ChunkLayout(target.spec, len(batch_keys), len(header))
         file_bytes = layout.file_size
@@ -179,7 +183,7 @@ class AsyncSaver:
                 batch_keys,
                 secrets.randbits(63) + 1,
                 created,
-                owner=(target, layout),
+                owner=(target, layout, tenant),
                 to_remote=to_remote,
             ),  # fmt: skip
             layout,
@@ -196,7 +200,7 @@ class AsyncSaver:
 
     def _publish(self, batch: SaveBatch) -> None:
         """Writer thread: checksums into the image, write, publish, release keys."""
-        target, layout = _owner(batch)
+        target, layout, tenant = _owner(batch)
         config = self.config
         try:
             if self._engine is None:
@@ -220,8 +224,9 @@ class AsyncSaver:
                 fill_tail=lambda: _fill_checksums(batch.image, layout),
             )
             record = ChunkRecord.new(
-                batch.chunk_id, target.fingerprint, batch.keys, size, batch.created_ns
-            )
+                batch.chunk_id, target.fingerprint, batch.keys, size,
+                batch.created_ns, tenant,
+            )  # fmt: skip
             target.publisher.commit(record, path, touched=target.touches.take())
             if self.remote is not None and batch.to_remote:
                 self._offer_remote(batch, target, layout)
@@ -247,7 +252,7 @@ class AsyncSaver:
             raise
 
     def _discard(self, batch: SaveBatch) -> None:
-        target, _ = _owner(batch)
+        target = _owner(batch)[0]
         target.publisher.counters.add(failed_batches=1)
         target.publisher.release(batch.keys)
 
@@ -276,7 +281,7 @@ class AsyncSaver:
         self.ring.close()
 
 
-def _owner(batch: SaveBatch) -> tuple[SaveTarget, ChunkLayout]:
+def _owner(batch: SaveBatch) -> tuple[SaveTarget, ChunkLayout, bytes]:
     owner = batch.owner
     assert isinstance(owner, tuple), "every batch is reserved with its target"
     return owner
