@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from npukv_store.connector.vllm_api import WorkerMetadataBase
 from npukv_store.hashing import KEY_BYTES
+from npukv_store.keying import DEFAULT_TENANT
 
 
 def pack_keys(keys: list[bytes]) -> bytes:
@@ -44,6 +45,9 @@ class BlockTransfer:
     #: the blocks' positions in the request (KV events name them by vLLM's
     #: block hashes); not needed by the workers
     rows: list[int] = field(default_factory=list)
+    #: whose blocks they are (a save's chunk holds one tenant's blocks: the
+    #: keyed digest of the request's cache salt, docs/decisions/0067)
+    tenant: bytes = DEFAULT_TENANT
 
     def keys(self, rank: int) -> list[bytes]:
         blob = self.keys_by_rank[rank if len(self.keys_by_rank) > 1 else 0]

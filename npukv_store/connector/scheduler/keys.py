@@ -27,6 +27,7 @@ from npukv_store.connector.metadata import BlockTransfer, pack_keys
 from npukv_store.connector.scheduler.load_policy import Decision
 from npukv_store.connector.vllm_api import lora_identity
 from npukv_store.hashing import chain_links, rank_keys
+from npukv_store.keying import DEFAULT_TENANT
 
 Keys = list[list[list[bytes]]]  # [rank][group] -> one key per full block
 
@@ -61,6 +62,7 @@ class RequestState:
     extras: list[bytes] = field(default_factory=list)
     stored: StoredPrefix | None = None  # the first lookup's answer
     cached_head: tuple[int, int, int] | None = None  # (local, found, blocks)
+    tenant: bytes = DEFAULT_TENANT  # of its cache salt (docs/decisions/0067)
 
 
 class KeyChains:
@@ -218,6 +220,7 @@ def transfer(
     *,
     asynchronous: bool = False,
     remote: bool = False,
+    tenant: bytes = DEFAULT_TENANT,
 ) -> BlockTransfer:
     """Blocks ``rows`` of one group of a request, with every rank's keys."""
     return BlockTransfer(
@@ -228,4 +231,5 @@ def transfer(
         asynchronous=asynchronous,
         remote=remote,
         rows=list(rows),
+        tenant=tenant,
     )

@@ -85,7 +85,12 @@ class SavePlan:
             if not rows:
                 continue
             seen.update(first[i] for i in rows)
-            saves.append(transfer(request.request_id, group.index, ids, rows, keys))
+            saves.append(
+                transfer(
+                    request.request_id, group.index, ids, rows, keys,
+                    tenant=state.tenant,
+                )
+            )  # fmt: skip
         state.saved_any = state.saved_any or bool(saves)
         return saves
 
@@ -131,6 +136,11 @@ class SavePlan:
             ids = [0] * (wanted[-1] + 1)
             for i in wanted:
                 ids[i] = by_row[i]
-            saves.append(transfer(request.request_id, group_id, ids, wanted, keys))
+            saves.append(
+                transfer(
+                    request.request_id, group_id, ids, wanted, keys,
+                    tenant=state.tenant,
+                )
+            )  # fmt: skip
         state.saved_any = state.saved_any or bool(saves)
         return saves

@@ -43,6 +43,7 @@ from npukv_store.connector.scheduler.load_policy import (
     Decision,
     LoadPolicy,
 )
+from npukv_store.connector.scheduler.pins import PinApplier
 from npukv_store.connector.scheduler.remote_lookup import RemoteLookup
 from npukv_store.connector.scheduler.save_plan import SavePlan
 from npukv_store.connector.setup import unusable_cache_dir
@@ -89,6 +90,7 @@ class SchedulerSide:
         self._remote_up: bool | None = None
         self.load_async = self.loads_on = self.hint_readahead = False
         self.events: KVEvents | None = None
+        self.pins: PinApplier | None = None
         try:
             self.engine: EngineKV | None = engine_namespaces(
                 vllm_config, kv_cache_config, settings
@@ -119,6 +121,7 @@ class SchedulerSide:
             return
         assert self.store.key_domain is not None
         self.chains.chain_key = self.store.key_domain.chain_key
+        self.pins = PinApplier(self.store, self.chains)
         if kv_events_enabled(vllm_config):
             self.events = KVEvents(
                 self.store, self.block_size, settings.kv_events_medium, KVEventAPI()
@@ -173,7 +176,19 @@ class SchedulerSide:
         if state is None or state.request is not request:
             state = self.chains.new_state(request)
             self._requests[request.request_id] = state
+            self._first_sight(state)
         return state
+
+    def _first_sight(self, state: RequestState) -> None:
+        """A new request's tenant, and the pins it meets (docs/decisions/0067)."""
+        assert self.store is not None
+        state.tenant = self.store.tenant(state.request.cache_salt)
+        if self.pins is None:
+            return
+        try:
+            self.pins.apply(state)
+        except Exception:
+            self._warn_once("pins", "applying a pin failed; the request is served")
 
     def _keys(self, state: RequestState, num_blocks: int) -> Keys:
         """Each namespace's keys of the first ``num_blocks`` full blocks."""

@@ -104,15 +104,20 @@ class StepSaver:
         if self._staged or not self._saves:
             return
         self._started = time.perf_counter()
-        for group, spec in enumerate(self._specs):
+        # a chunk holds one tenant's blocks (docs/decisions/0067)
+        batches = sorted({(s.group, s.tenant) for s in self._saves})
+        for group, tenant in batches:
             keys, block_ids = concat_transfers(
-                [s for s in self._saves if s.group == group], self._rank
+                [s for s in self._saves if (s.group, s.tenant) == (group, tenant)],
+                self._rank,
             )
             per_chunk = blocks_per_chunk(
-                spec.block_bytes, self._settings.chunk_target_size
+                self._specs[group].block_bytes, self._settings.chunk_target_size
             )
             for start in range(0, len(keys), per_chunk):
-                staged = self._stores[group].begin_save(keys[start : start + per_chunk])
+                staged = self._stores[group].begin_save(
+                    keys[start : start + per_chunk], tenant=tenant
+                )
                 if staged is not None:
                     ids = [block_ids[start + i] for i in staged.indices]
                     self._staged.append((staged, ids, group))
