@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from npukv_store.config import StoreConfig
-from npukv_store.errors import ConfigError, NpuKVError
+from npukv_store.errors import ConfigError, FormatError, NpuKVError
 from npukv_store.io.ring import stale_rings
 from npukv_store.store import calibration, compaction, recovery, sessions
 from npukv_store.store.check import chunk_file_problems
@@ -61,6 +61,7 @@ from npukv_store.store.directory import MARKER, CacheDir
 from npukv_store.store.index import Index
 from npukv_store.store.locks import open_lock_file
 from npukv_store.store.permissions import check_tool_root
+from npukv_store.store.pins import PinRecord
 from npukv_store.store.policy import excess_bytes
 from npukv_store.store.publish import Publisher
 from npukv_store.store.sizing import recorded_map_size
@@ -115,6 +116,7 @@ class Summary:
     missing_dropped: int = 0
     rings_removed: int = 0
     claims_swept: int = 0
+    pins_expired: int = 0  # pins past their --ttl, removed (their blocks unpinned)
     quarantined: int = 0
     #: "kept" (this device's calibration was there), "measured", "busy"
     #: (another process was measuring), "failed" (logged; constants apply),
@@ -195,6 +197,7 @@ def run(options: Options, progress: Progress | None = None) -> Summary:
             total, summary.chunks_before, _ = index.totals()
             summary.bytes_before = total
             collect_garbage(cdir, publisher, options, summary)
+            summary.pins_expired = _expire_pins(index, dry_run=options.dry_run)
             if not options.gc_only:
                 if options.verify:
                     _verify(cdir, publisher, options, summary, tick)
@@ -279,6 +282,22 @@ def _config(cdir: CacheDir, options: Options, index: Index) -> StoreConfig:
     if options.chunk_size is not None:
         config = dataclasses.replace(config, chunk_target_size=options.chunk_size)
     return config
+
+
+def _expire_pins(index: Index, *, dry_run: bool) -> int:
+    """Remove the pins past their expiry (servers do too, within a second,
+    while they run); how many."""
+    now = time.time_ns()
+    expired = []
+    for pin_id, raw in index.pin_records().items():
+        try:
+            if PinRecord.from_json(pin_id, raw).expired(now):
+                expired.append(pin_id)
+        except FormatError as exc:  # left for the operator: npukv unpin ID
+            logger.warning("%s", exc)
+    if dry_run:
+        return len(expired)
+    return sum(index.unpin(pin_id) for pin_id in expired)
 
 
 def collect_garbage(

@@ -6,7 +6,10 @@ removes crash leftovers no live process can still publish (and quarantines
 corrupt chunks when :mod:`npukv_store.maintenance` can), ``rebuild-index`` holds
 the directory lock that opening processes take. Reference: docs/cli.md.
 
-    stats DIR            capacity, used/live/dead bytes, fragmentation, namespaces
+    stats DIR            capacity, used/live/dead bytes, fragmentation, namespaces,
+                         tenants and pins
+    pin DIR ...          never evict the blocks of a prompt (--ttl: until when)
+    unpin DIR ...        undo pins (by id, --label or --expired)
     inspect DIR WHAT     a namespace (hex or unique prefix) or a chunk file
     verify DIR           every invariant and checksum (--fast: no data, --fix)
     rebuild-index DIR    a fresh index from the chunk files
@@ -43,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from npukv_store import maintenance
-from npukv_store.cli import bench, compact, plan, render, reports
+from npukv_store.cli import bench, compact, pins, plan, render, reports
 from npukv_store.config import StoreConfig, parse_size
 from npukv_store.errors import NpuKVError
 from npukv_store.store import calibration, recovery
@@ -233,6 +236,20 @@ def cmd_rebuild_index(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_pin(args: argparse.Namespace) -> int:
+    """Pin a prompt: the blocks of every request that begins with it are never
+    evicted or compacted away while the pin lasts (--ttl), in every model and
+    TP rank sharing the directory; they count against capacity. Servers apply
+    it to the first request that begins with it, within a second."""
+    return pins.cmd_pin(args, open_dir)
+
+
+def cmd_unpin(args: argparse.Namespace) -> int:
+    """Remove pins (by id, --label or --expired): their blocks go back to the
+    LRU at their last use."""
+    return pins.cmd_unpin(args, open_dir)
+
+
 def run_maintenance(command: str, argv: list[str]) -> int:
     if "--as-owner" in argv:  # before the check below, which root would fail
         act_as_owner(argv[0])
@@ -341,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="remove crash leftovers; quarantine bad chunks",
     )
     command("rebuild-index", cmd_rebuild_index)
+    pins.add_arguments(command("pin", cmd_pin), command("unpin", cmd_unpin))
     for name, func in (("compact", cmd_compact), ("gc", cmd_gc)):
         command(name, func).add_argument(
             "rest", nargs=argparse.REMAINDER, metavar="...",

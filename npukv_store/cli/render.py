@@ -181,10 +181,61 @@ def stats_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:
         for ns, entry in report["namespaces"].items()
     ]
     headers = ["namespace", "model", "dtype", "block", "TP", "chunks", "blocks"]
-    return [
+    sections: list[Pairs | Table] = [
         Pairs(f"npukv stats {report['cache_dir']}", rows),
         Table("namespaces", [*headers, "bytes", "dead"], table),
     ]
+    return sections + _tenant_sections(report)
+
+
+def _tenant_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:
+    """The tenants (where more than the default one holds blocks, or shares
+    are set) and the pins of ``npukv stats``."""
+    sections: list[Pairs | Table] = []
+    tenants = report.get("tenants") or {}
+    if len(tenants) > 1 or any(t["share_bytes"] for t in tenants.values()):
+        rows = [
+            [
+                name,
+                human_bytes(entry["bytes"]),
+                "-"
+                if entry["share_bytes"] is None
+                else human_bytes(entry["share_bytes"]),
+                {True: "over", False: "under", None: "-"}[entry["over_share"]],
+                f"{entry['chunks']:,}",
+            ]
+            for name, entry in tenants.items()
+        ]
+        sections.append(
+            Table("tenants", ["tenant", "bytes", "share", "", "chunks"], rows)
+        )
+    pins = report.get("pins") or []
+    if pins:
+        rows = [
+            [
+                pin["pin"],
+                str(pin.get("label") or pin.get("error", "")),
+                pin.get("tenant", "?"),
+                f"{pin.get('tokens', 0):,}",
+                f"{pin.get('pinned_keys', 0):,}",
+                _expiry(pin),
+            ]
+            for pin in pins
+        ]
+        title = (
+            f"pins ({report['pinned_chunks']:,} chunks, "
+            f"{exact_bytes(report['pinned_bytes'])} pinned)"
+        )
+        sections.append(
+            Table(title, ["pin", "label", "tenant", "tokens", "keys", "expires"], rows)
+        )
+    return sections
+
+
+def _expiry(pin: Mapping[str, Any]) -> str:
+    if pin.get("expired"):
+        return "expired"
+    return utc(pin["expires_ns"]) if pin.get("expires_ns") else "never"
 
 
 def namespace_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:

@@ -3,7 +3,8 @@ cache directory as the ``--json`` objects (:mod:`.render` prints them as text).
 
 Runs in: the ``npukv`` process; reads only (index snapshots, file headers).
 
-    stats_report()     - capacity, used, live and dead bytes, namespaces
+    stats_report()     - capacity, used, live and dead bytes, namespaces,
+                         tenants, pins
     namespace_report() - one namespace: spec, layout, usage
     chunk_report()     - one chunk file: header, tensors, live rows
 """
@@ -11,15 +12,19 @@ Runs in: the ``npukv`` process; reads only (index snapshots, file headers).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from npukv_store.cli.pins import pin_summary
+from npukv_store.errors import NpuKVError
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import calibration, policy
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import META_CREATED_NS, META_CREATOR, ChunkHeader
 from npukv_store.store.index import Index
 from npukv_store.store.index_rows import ChunkRecord
+from npukv_store.store.pins import PinRecord
 
 
 @dataclass
@@ -54,14 +59,64 @@ class Usage:
         }
 
 
-def usage_by_namespace(cdir: CacheDir, index: Index) -> tuple[dict[str, Usage], Usage]:
-    """Per namespace (on disk or in the index) and overall, from one snapshot."""
+def usage_by_namespace(
+    cdir: CacheDir, index: Index, by_tenant: dict[str, Usage] | None = None
+) -> tuple[dict[str, Usage], Usage]:
+    """Per namespace (on disk or in the index) and overall, from one snapshot;
+    per tenant too into ``by_tenant`` (its pinned chunks under ``"pinned"``)."""
     per_ns = {ns: Usage() for ns in cdir.namespaces()}
     total = Usage()
     for record in index.iter_chunks():
         per_ns.setdefault(record.namespace.hex(), Usage()).add(record)
         total.add(record)
+        if by_tenant is not None:
+            by_tenant.setdefault(record.tenant.hex(), Usage()).add(record)
+            if record.pinned:
+                by_tenant.setdefault("pinned", Usage()).add(record)
     return dict(sorted(per_ns.items())), total
+
+
+def tenants_report(index: Index, by_tenant: dict[str, Usage]) -> dict[str, Any]:
+    """Each tenant (the hex of its keyed digest: never its salt): bytes held
+    by the ledger, its share, chunks and blocks, and its pinned bytes."""
+    ledger, shares = index.tenants()
+    names = {t.hex() for t in ledger} | {t.hex() for t in shares}
+    names |= {t for t in by_tenant if t != "pinned"}
+    report = {}
+    for name in sorted(names):
+        tenant = bytes.fromhex(name)
+        usage = by_tenant.get(name, Usage())
+        share = shares.get(tenant)
+        held = ledger.get(tenant, 0)
+        report[name] = {
+            "bytes": held,
+            "share_bytes": share,
+            "over_share": held > (share or 0) if shares else None,
+            "chunks": usage.chunks,
+            "blocks": usage.blocks,
+        }
+    return report
+
+
+def pins_report(index: Index) -> list[dict[str, Any]]:
+    """Every pin: its id, label, tenant, tokens, the keys servers pinned for
+    it (over every namespace), and when it expires."""
+    now = time.time_ns()
+    pins: list[dict[str, Any]] = []
+    for pin_id, raw in sorted(index.pin_records().items()):
+        try:
+            record = PinRecord.from_json(pin_id, raw)
+        except NpuKVError as exc:
+            pins.append({"pin": pin_id.hex(), "error": str(exc)})
+            continue
+        pins.append(
+            {
+                **pin_summary(record),
+                "pinned_keys": index.pinned_keys(pin_id),
+                "expired": record.expired(now),
+            }
+        )
+    return pins
 
 
 def read_spec(cdir: CacheDir, namespace: str) -> NamespaceSpec | None:
@@ -87,7 +142,9 @@ def spec_fields(spec: NamespaceSpec | None) -> dict[str, Any]:
 
 def stats_report(cdir: CacheDir, index: Index, capacity: int | None) -> dict[str, Any]:
     """The ``npukv stats --json`` object (docs/cli.md, "Reading npukv stats")."""
-    per_ns, total = usage_by_namespace(cdir, index)
+    by_tenant: dict[str, Usage] = {}
+    per_ns, total = usage_by_namespace(cdir, index, by_tenant)
+    pinned = by_tenant.pop("pinned", Usage())
     default = os.path.join(cdir.root, "quarantine")
     quarantine = str(getattr(cdir, "quarantine_dir", default))
     quarantined = [e.stat().st_size for e in _scan(quarantine) if e.is_file()]
@@ -109,6 +166,10 @@ def stats_report(cdir: CacheDir, index: Index, capacity: int | None) -> dict[str
             ns: {**spec_fields(read_spec(cdir, ns)), **usage.as_dict()}
             for ns, usage in per_ns.items()
         },
+        "tenants": tenants_report(index, by_tenant),
+        "pinned_chunks": pinned.chunks,
+        "pinned_bytes": pinned.bytes,
+        "pins": pins_report(index),
     }
     claims = claims_held(cdir, index)
     if claims is not None:
