@@ -370,6 +370,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True
     )
     results = []
+    salts = json.loads(args.cache_salts) if args.cache_salts else [None] * len(prompts)
     for index, tokens in enumerate([] if args.batch_only else prompts):
         if index in args.pause_before:  # the caller acts between prompts
             _wait_for_gate(args.pause_after_warmup, f"before-{index}", f"go-{index}")
@@ -385,10 +386,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
             ttft_s = time.perf_counter() - begin
         waits = cpu_waits()
+        prompt = TokensPrompt(prompt_token_ids=tokens)
+        if salts[index] is not None:
+            prompt["cache_salt"] = salts[index]
         begin = time.perf_counter()
-        (output,) = llm.generate(
-            [TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False
-        )
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
         seconds = time.perf_counter() - begin
         after = cpu_waits()
         results.append(
@@ -507,6 +509,10 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-events-endpoint", default="", metavar="ZMQ",
         help="publish vLLM's KV cache events (and the connector's) on this "
         "ZeroMQ endpoint, topic 'kv' (--kv-events-config)",
+    )  # fmt: skip
+    go.add_argument(
+        "--cache-salts", default="", metavar="JSON",
+        help="a JSON list: each prompt's cache_salt (null: none), its tenant",
     )  # fmt: skip
     go.add_argument("--record-kv", default="", help="write saved/loaded KV digests")
     go.add_argument(
