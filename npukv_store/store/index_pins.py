@@ -64,18 +64,8 @@ def pin_keys(
         home = txn.get(key, db=dbs.keys)
         if home is not None:
             chunk_ids.add(LOC_FMT.unpack_from(home)[0])
-    pinned = []
-    for chunk_id in chunk_ids:
-        raw = txn.get(CID.pack(chunk_id), db=dbs.chunks)
-        if raw is None:
-            continue
-        record = ChunkRecord.unpack(chunk_id, raw)
-        if not record.pinned:
-            txn.delete(record.lru_key, db=dbs.lru)
-            record = replace(record, pinned=True)
-            txn.put(CID.pack(chunk_id), record.pack(), db=dbs.chunks)
-            pinned.append(record)
-    return pinned
+    found = (_published(txn, dbs, chunk_id) for chunk_id in chunk_ids)
+    return [_mark(txn, dbs, r, True) for r in found if r is not None and not r.pinned]
 
 
 def unpin(txn: lmdb.Transaction, dbs: PinDbs, pin_id: bytes) -> list[ChunkRecord]:
@@ -97,19 +87,31 @@ def unpin(txn: lmdb.Transaction, dbs: PinDbs, pin_id: bytes) -> list[ChunkRecord
         home = txn.get(key, db=dbs.keys)
         if home is not None:
             released.add(LOC_FMT.unpack_from(home)[0])
-    unpinned = []
-    for chunk_id in released:
-        raw = txn.get(CID.pack(chunk_id), db=dbs.chunks)
-        if raw is None:
-            continue
-        record = ChunkRecord.unpack(chunk_id, raw)
-        if not record.pinned or _holds_pinned(txn, dbs, record, cursor):
-            continue
-        record = replace(record, pinned=False)
-        txn.put(CID.pack(chunk_id), record.pack(), db=dbs.chunks)
+    found = (_published(txn, dbs, chunk_id) for chunk_id in released)
+    return [
+        _mark(txn, dbs, r, False)
+        for r in found
+        if r is not None and r.pinned and not _holds_pinned(txn, dbs, r, cursor)
+    ]
+
+
+def _published(txn: lmdb.Transaction, dbs: PinDbs, chunk_id: int) -> ChunkRecord | None:
+    raw = txn.get(CID.pack(chunk_id), db=dbs.chunks)
+    return None if raw is None else ChunkRecord.unpack(chunk_id, raw)
+
+
+def _mark(
+    txn: lmdb.Transaction, dbs: PinDbs, record: ChunkRecord, pinned: bool
+) -> ChunkRecord:
+    """``record`` pinned (out of the LRU) or not (back in it, at its last
+    access)."""
+    if pinned:
+        txn.delete(record.lru_key, db=dbs.lru)
+    else:
         txn.put(record.lru_key, b"", db=dbs.lru)
-        unpinned.append(record)
-    return unpinned
+    record = replace(record, pinned=pinned)
+    txn.put(CID.pack(record.chunk_id), record.pack(), db=dbs.chunks)
+    return record
 
 
 def _holds_pinned(

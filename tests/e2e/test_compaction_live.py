@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness import runs
+from tests.support.cli import npukv
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
 pytestmark = pytest.mark.e2e
@@ -52,13 +53,6 @@ def _compact(cache: Path) -> dict[str, object]:
     assert "Traceback" not in done.stderr, done.stderr
     summary: dict[str, object] = json.loads(done.stdout)
     return summary
-
-
-def _npukv(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "npukv_store.cli", *args],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
 
 
 def test_compaction_while_vllm_serves_keeps_every_output(tmp_path):
@@ -103,7 +97,7 @@ def test_compaction_while_vllm_serves_keeps_every_output(tmp_path):
         assert result["external_tokens"] == full
 
     # Every operator command on the directory vLLM left behind.
-    stats = json.loads(_npukv("stats", str(cache), "--json").stdout)
+    stats = json.loads(npukv("stats", str(cache), "--json").stdout)
     assert stats["chunks"] >= 1
     assert stats["blocks"] > 0
     (namespace,) = stats["namespaces"]
@@ -117,6 +111,6 @@ def test_compaction_while_vllm_serves_keeps_every_output(tmp_path):
         ("rebuild-index", str(cache)),
         ("verify", str(cache)),
     ):
-        done = _npukv(*args)
+        done = npukv(*args)
         assert done.returncode == 0, (args, done.stdout, done.stderr)
         assert "Traceback" not in done.stderr

@@ -9,26 +9,18 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 
 import pytest
 
 from bench.harness.runs import build_model, run
 from npukv_store import KVStore, StoreConfig
 from tests.support.blocks import tiny_spec
+from tests.support.cli import npukv
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
 pytestmark = pytest.mark.e2e
 
 BLOCK = 32  # the harness's block size for the tiny Llama
-
-
-def _npukv(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "npukv_store.cli", *argv],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
 
 
 def test_a_pinned_prompt_survives_another_tenant_filling_the_directory(tmp_path):
@@ -44,7 +36,7 @@ def test_a_pinned_prompt_survives_another_tenant_filling_the_directory(tmp_path)
         team_a, team_b = store.tenant("team-a"), store.tenant("team-b")
     ids = tmp_path / "system.json"
     ids.write_text(json.dumps(system))
-    pinned = _npukv("pin", str(cache), "--token-ids-file", str(ids),
+    pinned = npukv("pin", str(cache), "--token-ids-file", str(ids),
                     "--cache-salt", "team-a", "--label", "system")  # fmt: skip
     assert pinned.returncode == 0, pinned.stderr
     salts = ["team-a"] + ["team-b"] * len(others)
@@ -53,7 +45,7 @@ def test_a_pinned_prompt_survives_another_tenant_filling_the_directory(tmp_path)
         extra=extra, args=("--cache-salts", json.dumps(salts)),
     )  # fmt: skip
     assert "connector is off" not in first["log"]
-    stats = _npukv("stats", str(cache), "--json")
+    stats = npukv("stats", str(cache), "--json")
     assert stats.returncode == 0, stats.stderr
     report = json.loads(stats.stdout)
     (pin,) = report["pins"]
