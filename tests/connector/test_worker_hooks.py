@@ -92,7 +92,13 @@ def test_linear_attention_hooks_with_empty_names_are_ignored(tmp_path, caplog):
         connector.save_kv_layer("", [], None)
         connector.wait_for_save()
         connector.clear_connector_metadata()
-    assert [r for r in caplog.records if r.name.startswith("npukv_store")] == []
+    # warnings and errors only: the INFO lines of the store's first open
+    # ("rebuilt index") reach caplog where vLLM's import left the level at INFO
+    warned = [
+        r for r in caplog.records
+        if r.name.startswith("npukv_store") and r.levelno >= logging.WARNING
+    ]  # fmt: skip
+    assert warned == []
     store = connector._worker.store
     assert store.flush(timeout_s=30)
     assert store.stats().num_blocks == 3
