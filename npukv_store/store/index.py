@@ -274,14 +274,12 @@ class Index:
             self._touch_in(txn, touched, record.last_access_ns)
             self._forget_in(txn, unlinked)
             ledger = Ledger(txn, self._meta)
-            if shares is None:
-                shares = unpack_shares(txn.get(SHARES, db=self._meta))
+            excess = ledger.total + record.size_bytes - capacity_bytes
+            rule = shares
+            if rule is None and excess > 0:
+                rule = unpack_shares(txn.get(SHARES, db=self._meta))
             victims, covered = self._pick_victims(
-                txn,
-                ledger.total + record.size_bytes - capacity_bytes,
-                record.last_access_ns - grace_ns,
-                shares,
-                record.tenant,
+                txn, excess, record.last_access_ns - grace_ns, rule or {}, record.tenant
             )
             if not covered:
                 return CommitResult(0, True, ())
@@ -303,10 +301,19 @@ class Index:
             ledger.write()
             if capacity_bytes < 1 << 62:  # rebuilds pass "unlimited"
                 txn.put(b"capacity", U64.pack(capacity_bytes), db=self._meta)
-                packed = pack_shares(dict(shares))
-                if txn.get(SHARES, db=self._meta) != packed:
-                    txn.put(SHARES, packed, db=self._meta)
+                if shares is not None:
+                    packed = self._packed_shares(shares)
+                    if txn.get(SHARES, db=self._meta) != packed:
+                        txn.put(SHARES, packed, db=self._meta)
         return CommitResult(live, False, tuple(victims))
+
+    def _packed_shares(self, shares: Mapping[bytes, int]) -> bytes:
+        """``shares`` as the meta record holds them, packed once per mapping
+        (a publisher passes the same one to every commit)."""
+        cached = getattr(self, "_shares_cache", None)
+        if cached is None or cached[0] is not shares:
+            cached = self._shares_cache = (shares, pack_shares(dict(shares)))
+        return cached[1]
 
     def _publish_in(self, txn: lmdb.Transaction, record: ChunkRecord) -> int:
         """Give each of ``record``'s keys absent from the index this chunk's
