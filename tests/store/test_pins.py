@@ -237,3 +237,26 @@ def test_npukv_pin_refuses_bad_input_with_one_line(tmp_path, capsys, argv, messa
     assert err.count("\n") == 1
     assert main(["unpin", root, "0123456789abcdef"]) == 2
     assert "no pin 0123456789abcdef" in capsys.readouterr().err
+
+
+def test_the_maintenance_job_removes_expired_pins_and_keeps_the_others(tmp_path):
+    from npukv_store import maintenance
+
+    root = str(tmp_path / "cache")
+    with KVStore(_config(root), tiny_spec()) as store:
+        chains = _chains(store)
+        expiring = _pin(store, PROMPT, ttl_s=0.01, label="old")
+        lasting = _pin(store, PROMPT[16:], label="new")
+        # a server applied the expiring pin to stored blocks before it expired
+        state = chains.new_state(_request(PROMPT))
+        assert store.index.pin_keys(expiring.pin_id, chains.keys(state, 5)[0][0]) == 0
+        keys = chains.keys(state, 5)[0][0]
+        store.put(keys, block_tensors(store.spec, keys))
+        assert all(r.pinned for r in store.index.iter_chunks())
+    time.sleep(0.05)
+    summary = maintenance.run(maintenance.Options(cache_dir=root, compact=False))
+    assert summary.pins_expired == 1
+    with KVStore(_config(root), tiny_spec()) as store:
+        assert set(store.index.pin_records()) == {lasting.pin_id}
+        assert not any(r.pinned for r in store.index.iter_chunks())
+        assert store.check() == []
