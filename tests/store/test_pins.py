@@ -260,3 +260,40 @@ def test_the_maintenance_job_removes_expired_pins_and_keeps_the_others(tmp_path)
         assert set(store.index.pin_records()) == {lasting.pin_id}
         assert not any(r.pinned for r in store.index.iter_chunks())
         assert store.check() == []
+
+
+def _word_tokenizer(path) -> None:
+    """A WordLevel tokenizer (``w<i>`` is token i), as the harness's models have."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(100)}
+    tokenizer = Tokenizer(models.WordLevel(vocab=words, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(
+        path
+    )
+
+
+def test_npukv_pin_tokenizes_a_prompt_file_with_the_models_tokenizer(tmp_path, capsys):
+    pytest.importorskip("transformers", reason="--prompt-file needs transformers")
+    root = str(tmp_path / "cache")
+    with KVStore(_config(root), tiny_spec()):
+        pass
+    _word_tokenizer(tmp_path / "model")
+    ids = [5 + i for i in range(40)]
+    (tmp_path / "prompt.txt").write_text(" ".join(f"w{i}" for i in ids))
+    argv = [
+        "pin", root, "--prompt-file", str(tmp_path / "prompt.txt"),
+        "--model", str(tmp_path / "model"), "--cache-salt", "t", "--json",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["tokens"] == 32  # two whole 16-token pieces of 40
+    with KVStore(_config(root), tiny_spec()) as store:
+        ((pin_id, raw),) = store.index.pin_records().items()
+        record = PinRecord.from_json(pin_id, raw)
+        assert record.digests == tuple(pin_digests(store.key_domain.pin_key, "t", ids))
+        assert record.tenant == store.tenant("t")
+    assert main([*argv[:4], "--model", str(tmp_path / "none")]) == 2
+    assert "cannot load its tokenizer" in capsys.readouterr().err

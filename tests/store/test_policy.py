@@ -253,3 +253,15 @@ def test_merge_groups_leaves_large_and_lone_full_chunks_alone():
 def test_admission_the_second_read_fills_the_page_cache():
     assert policy.admit_on_read(read_before=False) is False
     assert policy.admit_on_read(read_before=True) is True
+
+
+def test_compaction_leaves_pinned_chunks_and_keeps_tenants_apart():
+    pinned = Chunk(1, b"a" * 16, 1000, 10, 2, 0, pinned=True)
+    mine = [_facts(i, live=5, created=i) for i in range(2, 5)]
+    theirs = [Chunk(i, b"a" * 16, 1000, 10, 5, i, tenant=b"t" * 8) for i in range(5, 8)]
+    chunks = [pinned, *mine, *theirs]
+    assert pinned not in policy.rewrite_candidates(chunks, min_live=0.9)
+    groups = policy.merge_groups(chunks, target_bytes=100_000)
+    assert sorted(sorted(c.chunk_id for c in g) for g in groups) == [
+        [2, 3, 4], [5, 6, 7],
+    ]  # fmt: skip

@@ -285,3 +285,20 @@ def test_a_kill_9_mid_pin_or_commit_leaves_every_invariant(tmp_path):
     }
     assert len(records) > 1
     index.close()
+
+
+def test_a_rewrite_whose_source_was_pinned_since_its_plan_does_nothing(tmp_path):
+    index = Index(str(tmp_path), map_size=1 << 24, sync=False)
+    keys = [bytes([5, i]) * 8 for i in range(2)]
+    for i, key in enumerate(keys):
+        index.commit_chunk(
+            ChunkRecord.new(i + 1, NS, [key], 100, i + 1), capacity_bytes=10**6,
+            grace_ns=0,
+        )  # fmt: skip
+    index.add_pin(b"p" * 8, b"{}")
+    index.pin_keys(b"p" * 8, keys[:1])  # after compaction planned chunks 1 and 2
+    merged = ChunkRecord.new(9, NS, keys, 150, 1)
+    assert index.replace_chunks(merged, [(1, 0), (2, 0)], [1, 2]) == (0, [])
+    assert index.chunk(1).pinned
+    assert index.chunk(9) is None
+    index.close()
