@@ -163,6 +163,7 @@ def _fill_with_other_prompts(root: str, capacity: int, chunks: int, out) -> None
     out.put(b"")
 
 
+@pytest.mark.integration
 def test_pinned_blocks_survive_other_processes_filling_the_directory(tmp_path, capsys):
     root = str(tmp_path / "cache")
     capacity = 30 * 4 * tiny_spec().block_bytes  # about 25 chunks of 4 blocks

@@ -17,6 +17,7 @@ import signal
 import tempfile
 import time
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -203,6 +204,7 @@ def _chunk_bytes(root: str) -> int:
         return store.stats().total_bytes
 
 
+@pytest.mark.integration
 def test_two_tenants_and_the_rest_fill_a_directory_from_three_processes(tmp_path):
     chunk = _chunk_bytes(str(tmp_path / "probe"))
     capacity = 40 * chunk
@@ -258,6 +260,7 @@ def _pin_and_evict_forever(root: str, ready: str) -> None:
             open(ready, "w").close()
 
 
+@pytest.mark.integration
 def test_a_kill_9_mid_pin_or_commit_leaves_every_invariant(tmp_path):
     root = str(tmp_path)
     os.makedirs(os.path.join(root, "index"))
