@@ -61,7 +61,7 @@ from npukv_store.store.directory import MARKER, CacheDir
 from npukv_store.store.index import Index
 from npukv_store.store.locks import open_lock_file
 from npukv_store.store.permissions import check_tool_root
-from npukv_store.store.pins import PinRecord
+from npukv_store.store.pins import decode_pins
 from npukv_store.store.policy import excess_bytes
 from npukv_store.store.publish import Publisher
 from npukv_store.store.sizing import recorded_map_size
@@ -289,12 +289,11 @@ def _expire_pins(index: Index, *, dry_run: bool) -> int:
     while they run); how many."""
     now = time.time_ns()
     expired = []
-    for pin_id, raw in index.pin_records().items():
-        try:
-            if PinRecord.from_json(pin_id, raw).expired(now):
-                expired.append(pin_id)
-        except FormatError as exc:  # left for the operator: npukv unpin ID
-            logger.warning("%s", exc)
+    for pin_id, pin in decode_pins(index.pin_records()).items():
+        if isinstance(pin, FormatError):  # left for the operator: npukv unpin ID
+            logger.warning("%s", pin)
+        elif pin.expired(now):
+            expired.append(pin_id)
     if dry_run:
         return len(expired)
     return sum(index.unpin(pin_id) for pin_id in expired)

@@ -20,7 +20,13 @@ from typing import Any
 from npukv_store.errors import NpuKVError
 from npukv_store.keying import derive as derive_key
 from npukv_store.keying import tenant_digest
-from npukv_store.store.pins import MAX_PIN_TOKENS, PIN_GRANULE, PinRecord, pin_digests
+from npukv_store.store.pins import (
+    MAX_PIN_TOKENS,
+    PIN_GRANULE,
+    PinRecord,
+    decode_pins,
+    pin_digests,
+)
 
 _DURATION = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -88,10 +94,7 @@ def parse_duration(text: str | None) -> float | None:
 
 
 def cmd_pin(args: argparse.Namespace, open_dir: Any) -> int:
-    """Pin a prompt: the blocks of every request that begins with it are never
-    evicted or compacted away while the pin lasts, in every model and TP rank
-    sharing the directory. Servers apply it within a second, to the first
-    request that begins with it; blocks not stored yet are pinned when stored."""
+    """``npukv pin`` (its help is :func:`npukv_store.cli.cmd_pin`'s)."""
     tokens = prompt_tokens(args)
     ttl = parse_duration(args.ttl)
     if len(tokens) < PIN_GRANULE or len(tokens) > MAX_PIN_TOKENS:
@@ -122,21 +125,16 @@ def cmd_pin(args: argparse.Namespace, open_dir: Any) -> int:
 
 
 def cmd_unpin(args: argparse.Namespace, open_dir: Any) -> int:
-    """Remove pins (by id, by --label, or --expired ones): their blocks go
-    back to the LRU at their last use."""
+    """``npukv unpin`` (its help is :func:`npukv_store.cli.cmd_unpin`'s)."""
     if not (args.pin_ids or args.label or args.expired):
         raise PinUsageError("expected PIN_ID ..., --label L or --expired")
     _, index, _ = open_dir(args.cache_dir)
     removed = []
     try:
         now = time.time_ns()
-        for pin_id, raw in index.pin_records().items():
-            try:
-                record = PinRecord.from_json(pin_id, raw)
-            except NpuKVError:
-                record = None  # unreadable: removable by id only
-            chosen = pin_id.hex() in args.pin_ids
-            if record is not None:
+        for pin_id, record in decode_pins(index.pin_records()).items():
+            chosen = pin_id.hex() in args.pin_ids  # an unreadable one: by id only
+            if isinstance(record, PinRecord):
                 chosen |= bool(args.label) and record.label == args.label
                 chosen |= args.expired and record.expired(now)
             if chosen and index.unpin(pin_id):
@@ -144,8 +142,8 @@ def cmd_unpin(args: argparse.Namespace, open_dir: Any) -> int:
     finally:
         index.close()
     missing = [p for p in args.pin_ids if p not in removed]
-    for pin_id in removed:
-        print(f"unpinned {pin_id}")
+    for name in removed:
+        print(f"unpinned {name}")
     if missing:
         raise PinUsageError(f"no pin {', '.join(missing)} in {args.cache_dir}")
     if not removed:

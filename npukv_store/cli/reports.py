@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from npukv_store.cli.pins import pin_summary
-from npukv_store.errors import NpuKVError
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import calibration, policy
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import META_CREATED_NS, META_CREATOR, ChunkHeader
 from npukv_store.store.index import Index
 from npukv_store.store.index_rows import ChunkRecord
-from npukv_store.store.pins import PinRecord
+from npukv_store.store.pins import PinRecord, decode_pins
 
 
 @dataclass
@@ -103,11 +102,9 @@ def pins_report(index: Index) -> list[dict[str, Any]]:
     it (over every namespace), and when it expires."""
     now = time.time_ns()
     pins: list[dict[str, Any]] = []
-    for pin_id, raw in sorted(index.pin_records().items()):
-        try:
-            record = PinRecord.from_json(pin_id, raw)
-        except NpuKVError as exc:
-            pins.append({"pin": pin_id.hex(), "error": str(exc)})
+    for pin_id, record in sorted(decode_pins(index.pin_records()).items()):
+        if not isinstance(record, PinRecord):
+            pins.append({"pin": pin_id.hex(), "error": str(record)})
             continue
         pins.append(
             {

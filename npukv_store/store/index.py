@@ -68,6 +68,7 @@ from npukv_store.store.index_rows import (
     RemovedKeys,
     listed_run,
     pack_shares,
+    prefixed,
     tenant_usage,
     total_bytes,
     unpack_shares,
@@ -103,6 +104,7 @@ class Index:
         """
         self.path = path
         self._released = True
+        self._shares_cache: tuple[Mapping[bytes, int], bytes] | None = None
         try:
             self._env = open_env(path, map_size, sync, access)
             self._released = False
@@ -310,7 +312,7 @@ class Index:
     def _packed_shares(self, shares: Mapping[bytes, int]) -> bytes:
         """``shares`` as the meta record holds them, packed once per mapping
         (a publisher passes the same one to every commit)."""
-        cached = getattr(self, "_shares_cache", None)
+        cached = self._shares_cache
         if cached is None or cached[0] is not shares:
             cached = self._shares_cache = (shares, pack_shares(dict(shares)))
         return cached[1]
@@ -603,15 +605,8 @@ class Index:
 
     def meta_records(self, prefix: bytes) -> dict[bytes, bytes]:
         """The meta records whose key starts with ``prefix``."""
-        found: dict[bytes, bytes] = {}
         with self._env.begin(db=self._meta) as txn:
-            cursor = txn.cursor()
-            if cursor.set_range(prefix):
-                for key, value in cursor:
-                    if not bytes(key).startswith(prefix):
-                        break
-                    found[bytes(key)] = bytes(value)
-        return found
+            return {prefix + k: v for k, v in prefixed(txn.cursor(), prefix)}
 
     def add_meta(self, key: bytes, value: bytes, *, overwrite: bool = False) -> bool:
         """Write a meta record (only where absent unless ``overwrite``), then
@@ -664,8 +659,8 @@ class Index:
 
     def pin_records(self) -> dict[bytes, bytes]:
         """pin id -> the pin's JSON, for every pin."""
-        found = self.meta_records(PIN_RECORD)
-        return {key[len(PIN_RECORD) :]: value for key, value in found.items()}
+        with self._env.begin(db=self._meta) as txn:
+            return dict(prefixed(txn.cursor(), PIN_RECORD))
 
     def pin_applied(self, pin_id: bytes, key: bytes) -> bool:
         """Whether ``pin_id`` holds ``key`` already (a server's check before

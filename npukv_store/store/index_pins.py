@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import lmdb
 
-from npukv_store.store.index_rows import CID, LOC_FMT, ChunkRecord
+from npukv_store.store.index_rows import CID, LOC_FMT, ChunkRecord, prefixed
 
 KEY_SIDE = b"k"
 PIN_SIDE = b"p"
@@ -129,15 +129,7 @@ def _holds_pinned(
 
 def pinned_key_count(txn: lmdb.Transaction, pins: lmdb._Database, pin_id: bytes) -> int:
     """How many keys ``pin_id`` holds (stored or not)."""
-    prefix = PIN_SIDE + pin_id
-    cursor = txn.cursor(db=pins)
-    count = 0
-    if cursor.set_range(prefix):
-        for key in cursor.iternext(keys=True, values=False):
-            if not bytes(key).startswith(prefix):
-                break
-            count += 1
-    return count
+    return sum(1 for _ in prefixed(txn.cursor(db=pins), PIN_SIDE + pin_id))
 
 
 class PinDbs:

@@ -12,12 +12,12 @@ says what each value holds (docs/decisions/0060 for row 0's list).
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import lmdb
 
-from npukv_store.keying import DEFAULT_TENANT, TENANT_BYTES
+from npukv_store.keying import DEFAULT_TENANT
 
 LOC_FMT = struct.Struct("<QI")  # keys db value: chunk id, row
 #: ns, size, rows, live rows, last ns, created ns, tenant, flags
@@ -26,7 +26,6 @@ REC_FMT = struct.Struct("<16sQIIQQ8sI")
 #: order is time order (each tenant's chunks are one run, oldest first)
 LRU_FMT = struct.Struct(">8sQQ")
 PINNED = 1  # ChunkRecord flag: a key of the chunk is pinned (it has no LRU entry)
-TENANT = TENANT_BYTES  # bytes of a tenant digest (keying.tenant_digest)
 U64 = struct.Struct("<Q")
 CID = struct.Struct(">Q")
 KEY = 16  # bytes of a block key
@@ -161,16 +160,23 @@ def unpack_shares(raw: bytes | None) -> dict[bytes, int]:
     return {t: n for t, n in _SHARE.iter_unpack(bytes(raw))}
 
 
+def prefixed(cursor: lmdb.Cursor, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    """``(key less prefix, value)`` of the entries whose key starts with
+    ``prefix``, in key order (one range of ``cursor``'s database)."""
+    if not cursor.set_range(prefix):
+        return
+    for key, value in cursor:
+        if not bytes(key).startswith(prefix):
+            return
+        yield bytes(key[len(prefix) :]), bytes(value)
+
+
 def tenant_usage(txn: lmdb.Transaction, meta: lmdb._Database) -> dict[bytes, int]:
     """Each tenant's bytes, from the ledger (tenants holding nothing are absent)."""
-    found: dict[bytes, int] = {}
-    cursor = txn.cursor(db=meta)
-    if cursor.set_range(TENANT_USAGE):
-        for key, value in cursor:
-            if not bytes(key).startswith(TENANT_USAGE):
-                break
-            found[bytes(key[len(TENANT_USAGE) :])] = U64.unpack(value)[0]
-    return found
+    return {
+        tenant: U64.unpack(raw)[0]
+        for tenant, raw in prefixed(txn.cursor(db=meta), TENANT_USAGE)
+    }
 
 
 class Ledger:

@@ -10,9 +10,10 @@ token ids in granules of PIN_GRANULE tokens, keyed with the cache's pin key
     d[0] = BLAKE2b-128(pin key, person="npukv-pin-1", tag(salt))
     d[i] = BLAKE2b-128(pin key, d[i-1] || tokens of granule i as int32 LE)
 
-The record keeps d[1..n]. A server computes the same chain over a request's
-first tokens and stops at the first digest that differs: the request shares
-the pinned prompt up to there, and the whole blocks of that prefix are
+The record keeps d[1..n] (:func:`decode_pins` reads the index's records).
+A server computes the same chain over a request's first tokens and stops
+at the first digest that differs: the request shares the pinned prompt up
+to there, and the whole blocks of that prefix are
 pinned. A granule of 16 tokens divides every vLLM block size, and a prompt
 tokenised alone may differ from the same text inside a longer prompt only at
 its tail (tokens merge across the boundary): the prefix before is still
@@ -26,7 +27,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,3 +146,15 @@ class PinRecord:
                 "and 8"
             )
         return record
+
+
+def decode_pins(raw: Mapping[bytes, bytes]) -> dict[bytes, PinRecord | FormatError]:
+    """The index's pin records (``Index.pin_records``) decoded: each pin id to
+    its record, or to the one-line error of a record that cannot be read."""
+    decoded: dict[bytes, PinRecord | FormatError] = {}
+    for pin_id, value in raw.items():
+        try:
+            decoded[pin_id] = PinRecord.from_json(pin_id, value)
+        except FormatError as exc:
+            decoded[pin_id] = exc
+    return decoded

@@ -25,6 +25,7 @@ from npukv_store.errors import FormatError
 from npukv_store.store.pins import (
     PIN_GRANULE,
     PinRecord,
+    decode_pins,
     matched_granules,
     pin_digests,
 )
@@ -54,7 +55,6 @@ class PinApplier:
         self._read_at = float("-inf")
         self._by_first: dict[bytes, list[PinRecord]] = {}
         self._bad: set[bytes] = set()
-        self.applied = 0  # pins applied to a request's keys (for tests, stats)
 
     def refresh(self) -> None:
         """Read the pin records (at most every REFRESH_S); remove expired ones."""
@@ -64,13 +64,11 @@ class PinApplier:
         self._read_at = now
         wall = time.time_ns()
         by_first: dict[bytes, list[PinRecord]] = {}
-        for pin_id, raw in self._index.pin_records().items():
-            try:
-                pin = PinRecord.from_json(pin_id, raw)
-            except FormatError as exc:
+        for pin_id, pin in decode_pins(self._index.pin_records()).items():
+            if isinstance(pin, FormatError):
                 if pin_id not in self._bad:
                     self._bad.add(pin_id)
-                    logger.warning("npukv_store: ignoring a pin: %s", exc)
+                    logger.warning("npukv_store: ignoring a pin: %s", pin)
                 continue
             if pin.expired(wall):
                 if self._index.unpin(pin_id):
@@ -111,5 +109,4 @@ class PinApplier:
                 continue  # this engine met the prompt before
             if self._index.pin_keys(pin.pin_id, flat) is not None:
                 applied += 1
-        self.applied += applied
         return applied
