@@ -26,6 +26,7 @@ from typing import Any
 
 from npukv_store.config import StoreConfig
 from npukv_store.connector.groups import KVGroup, classify
+from npukv_store.connector.spec_classes import kv_form
 from npukv_store.connector.vllm_api import (
     HANDS_OFF_BOUNDARY_STATES,
     VLLM_VERSION,
@@ -80,6 +81,7 @@ def engine_namespaces(
             "expected 1 (npukv_store serves single-stage engines)"
         )
     _refuse_context_parallel(parallel)
+    _refuse_kvpp(vllm_config)
     raw_groups = list(kv_cache_config.kv_cache_groups)
     if not raw_groups or not any(g.layer_names for g in raw_groups):
         raise UnsupportedSetup("KV cache layers: found none, expected attention layers")
@@ -133,6 +135,7 @@ def engine_namespaces(
                     f"kind={group.kind};tail={group.tail_tokens};"
                     f"spec={type(raw.kv_cache_spec).__name__}"
                     f"{_state_form(raw.kv_cache_spec) if group.kind == 'state' else ''}"
+                    f"{_kv_forms(raw, dtype) if group.kind != 'state' else ''}"
                 ),
             )
             for group, page_bytes, raw in zip(groups, pages, raw_groups, strict=True)
@@ -154,6 +157,31 @@ def _refuse_context_parallel(parallel: Any) -> None:
             f"context parallelism: found decode_context_parallel_size={dcp}, "
             f"prefill_context_parallel_size={pcp}, expected 1 and 1 (a block "
             "is split over the ranks, which npukv_store does not key)"
+        )
+
+
+def _refuse_kvpp(vllm_config: Any) -> None:
+    """vllm-ascend's KVPP (``additional_config.enable_kvpp``, 0.30+) keeps
+    each layer's KV on one TP rank only and registers every other layer as a
+    view of a scratch buffer that the owner broadcasts into at execute time
+    (vllm_ascend/worker/kvpp_cache.py: ``allocate_kvpp_cache``). A rank would
+    save scratch bytes as those layers' KV, and MLA's one saving rank holds
+    only its own layers: refused by name (decision 0068). The worker also
+    refuses any two layers of one group that share bytes, whatever the flag
+    is called (worker/layer_overlap.py)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    enabled = extra.get("enable_kvpp", False) if isinstance(extra, dict) else False
+    if isinstance(enabled, str):
+        enabled = enabled.strip().lower() in ("1", "true", "yes", "on")
+    parallel = vllm_config.parallel_config
+    ranks = int(getattr(parallel, "tensor_parallel_size", 1) or 1) * int(
+        getattr(parallel, "prefill_context_parallel_size", 1) or 1
+    )
+    if enabled and ranks > 1:  # a group of one rank owns every layer: no KVPP
+        raise UnsupportedSetup(
+            f"vllm-ascend KVPP: found additional_config.enable_kvpp={enabled!r} "
+            f"over {ranks} ranks, expected it off (each rank holds only its own "
+            "layers' KV, which npukv_store does not assemble)"
         )
 
 
@@ -189,11 +217,8 @@ def _describe_group(index: int, raw: Any) -> tuple[KVGroup, dict[str, int]]:
             "vLLM 0.32+), and a state read by position may be another "
             "prefix's"
         )
-    # a state page is padded to the attention page; the bytes stored are the
-    # states themselves (MambaSpec.real_page_size_bytes)
-    size = "real_page_size_bytes" if kind == "state" else "page_size_bytes"
     page_bytes = {
-        name: int(getattr(per_layer[name] if per_layer else kv_spec, size))
+        name: _stored_page(per_layer[name] if per_layer else kv_spec, kind)
         for name in names
     }
     tail = 0
@@ -206,6 +231,42 @@ def _describe_group(index: int, raw: Any) -> tuple[KVGroup, dict[str, int]]:
     elif kind == "state":
         tail = 1  # the state after the last token of the hit
     return KVGroup(index, kind, names, tail), page_bytes
+
+
+def _stored_page(spec: Any, kind: str) -> int:
+    """The bytes of a layer's block that are stored: its page without the
+    padding a hybrid pads it with. A state page is padded to the attention
+    page (MambaSpec.real_page_size_bytes); an attention page may be padded
+    to a common page too (``page_size_padded``: vLLM's hybrid pages, and
+    vllm-ascend 0.30's, model_runner_v1.py:6335-6343), its views then
+    striding over the padding (v2/attn_utils.py:687-722). Unpadded pages
+    keep their size, and so their keys."""
+    if kind == "state" or getattr(spec, "page_size_padded", None) is not None:
+        return int(spec.real_page_size_bytes)
+    return int(spec.page_size_bytes)
+
+
+def _kv_forms(raw: Any, kv_dtype: str) -> str:
+    """What an attention group's bytes are beyond their size: its dtype where
+    it is not the engine's ``kv_dtype`` (the first attention group's), and
+    the format fields that are not plain (:func:`.spec_classes.kv_form`:
+    quantization, packing, scales); each layer's where a per-layer group's
+    layers differ (vllm-ascend's per-layer KV dtypes). "" for a plain group
+    of the engine's dtype, so such an engine keeps the keys it had."""
+    per_layer = getattr(raw.kv_cache_spec, "kv_cache_specs", None)
+    specs = (
+        [per_layer[name] for name in raw.layer_names]
+        if per_layer
+        else [raw.kv_cache_spec]
+    )
+    forms = [
+        (str(getattr(s, "dtype", "")).removeprefix("torch."), kv_form(s)) for s in specs
+    ]
+    if len(set(forms)) > 1:
+        return ";layers=" + "|".join(f"{d}[{f}]" for d, f in forms)
+    ((group_dtype, form),) = set(forms)
+    text = f";dtype={group_dtype}" if group_dtype != kv_dtype else ""
+    return text + (f";form={form}" if form else "")
 
 
 def _state_form(kv_spec: Any) -> str:

@@ -48,6 +48,7 @@ from npukv_store.connector.setup import unusable_cache_dir
 from npukv_store.connector.stats import WORKER_COUNTERS, NPUKVStats, remote_deltas
 from npukv_store.connector.worker.ascend_rules import SkippedWaits, kernel_block_rows
 from npukv_store.connector.worker.costs import CostMeter
+from npukv_store.connector.worker.layer_overlap import refuse_shared_layers
 from npukv_store.connector.worker.loader import LayerLoader, LoadLayer
 from npukv_store.connector.worker.loads import StepLoads
 from npukv_store.connector.worker.pages import LayoutError, page_layout
@@ -171,6 +172,7 @@ class WorkerSide:
             self.layer_index[name] = len(self.layers)
             self.layers.append(LoadLayer(f"{name}.{PAGE_PART}", layout, group))
             self._layer_pos.append(pos)
+        refuse_shared_layers((layer.group, layer.layout) for layer in self.layers)
         try:
             first = KVStore(self.settings, self.specs[0])
         except Exception as exc:
