@@ -61,6 +61,7 @@ __all__ = [
     "WorkerMetadataBase",
     "block_ids_source",
     "boundary_state_offloads",
+    "start_loads_before_forward",
     "create_metric_per_engine",
     "kv_cache_layout",
     "kv_events_enabled",
@@ -109,6 +110,22 @@ def boundary_state_offloads(scheduler_output: Any) -> dict[str, list[Any]]:
     block_state = getattr(scheduler_output, "kv_connector_block_state", None)
     offloads = getattr(block_state, "boundary_state_offloads", None)
     return dict(offloads) if offloads else {}
+
+
+def start_loads_before_forward(scheduler_output: Any) -> None:
+    """Make the worker start this step's loads before its forward.
+
+    vLLM 0.30+ calls start_load_kv after the forward unless the step's
+    ``SchedulerOutput.has_sync_kv_loads`` is set (kv_connector_model_runner_mixin).
+    vLLM's own scheduler sets it for every synchronous load; vllm-ascend 0.30's
+    balance scheduler (patch_balance_schedule.py:798-817) and DyNTRA scheduler
+    (core/dyntra_lb_scheduler.py:1174) build their SchedulerOutput without it,
+    so their synchronous loads would start after the forward that needs them.
+    Set here, as vLLM's HiSparse connector sets it; older vLLM has no field
+    and always starts loads first.
+    """
+    if getattr(scheduler_output, "has_sync_kv_loads", True) is False:
+        scheduler_output.has_sync_kv_loads = True
 
 
 if hasattr(_base, "KVConnectorWorkerMetadata"):

@@ -56,6 +56,7 @@ from npukv_store.connector.vllm_api import (
     ManagerBlockIds,
     boundary_state_offloads,
     kv_events_enabled,
+    start_loads_before_forward,
 )
 from npukv_store.errors import UnsupportedSetup
 from npukv_store.hashing import chain_root, namespace_fingerprint
@@ -372,6 +373,8 @@ class SchedulerSide:
             # request; a synchronous one only in the step that computes it
             if rid in scheduled or (transfers and transfers[0].asynchronous):
                 meta.loads += transfers
+        if any(not t.asynchronous for t in meta.loads):
+            start_loads_before_forward(scheduler_output)
         meta.failed_loads, self._failed_loads = self._failed_loads, []
         meta.held_req_ids, self._held = self._held, []
         if not self.disabled_reason:  # each request's planning is guarded

@@ -90,9 +90,27 @@ class StepLoads:
     def begin_step(self) -> None:
         self.wait_s = 0.0
 
-    def start(self, meta: NPUKVMetadata, *, layerwise: bool, disabled: bool) -> None:
+    def start(
+        self,
+        meta: NPUKVMetadata,
+        *,
+        layerwise: bool,
+        disabled: bool,
+        after_forward: bool = False,
+    ) -> None:
         """start_load_kv: the step's loads (``layerwise``: the worker's mode;
-        ``disabled``: the connector is off on this worker)."""
+        ``disabled``: the connector is off on this worker; ``after_forward``:
+        a layer hook of this step already ran).
+
+        vLLM 0.30+ calls start_load_kv after the forward unless the step's
+        SchedulerOutput.has_sync_kv_loads is set. Asynchronous loads are
+        right either way: their requests are not in this forward. A
+        synchronous load that starts after the forward fed nothing: the
+        forward read its blocks unloaded. Its blocks are load errors, so
+        vLLM drops the step's tokens of those requests and recomputes (the
+        scheduler side sets the flag for its synchronous loads; this is for
+        a scheduler that rebuilds SchedulerOutput without it).
+        """
         self._failed_recving.update(meta.failed_loads)
         loads = [t for t in meta.loads if not t.asynchronous]
         later = [t for t in meta.loads if t.asynchronous]
@@ -100,7 +118,14 @@ class StepLoads:
             self._start_async(later, disabled)
         if not loads:
             return
-        if disabled or self.loader is None:
+        if after_forward and not disabled:
+            self._warn_once(
+                "late-load",
+                "vLLM started this step's synchronous loads after its forward "
+                "(SchedulerOutput.has_sync_kv_loads was not set); their blocks "
+                "are recomputed",
+            )
+        if disabled or after_forward or self.loader is None:
             self._errors.update(b for t in loads for b in t.block_ids)
             return
         try:

@@ -98,6 +98,9 @@ class WorkerSide:
         #: Mamba groups: no layer hooks, states copied in wait_for_save
         self._state_groups: frozenset[int] = frozenset()
         self._loads_seen: set[str] = set()
+        #: a layer hook ran since bind: start_load_kv comes after the forward
+        #: (vLLM 0.30+ on a step without synchronous loads, see loads.start)
+        self._forward_began = False
         self._warned: set[str] = set()
         self.engine: EngineKV | None = None
         self.remote: MooncakeTier | None = None
@@ -250,11 +253,13 @@ class WorkerSide:
             self.saver.plan(meta.saves if not self.disabled_reason else [])
         self._hooks_seen.clear()
         self._loads_seen.clear()
+        self._forward_began = False
         self.loads.begin_step()
         if self.costs is not None:
             self.costs.step_started(meta.num_scheduled_tokens, bool(meta.loads))
 
     def save_layer(self, layer_name: str) -> None:
+        self._forward_began = True
         if self._observe_hooks:
             self._hooks_seen.add(layer_name)
         if not self.layerwise or self.saver is None:
@@ -323,10 +328,14 @@ class WorkerSide:
 
     def start_load(self) -> None:
         self.loads.start(
-            self._meta, layerwise=self.layerwise, disabled=bool(self.disabled_reason)
+            self._meta,
+            layerwise=self.layerwise,
+            disabled=bool(self.disabled_reason),
+            after_forward=self._forward_began,
         )
 
     def wait_layer(self, layer_name: str) -> None:
+        self._forward_began = True
         if self._observe_hooks:
             self._loads_seen.add(layer_name)
         index = self.layer_index.get(layer_name)
