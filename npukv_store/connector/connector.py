@@ -68,6 +68,11 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings: StoreConfig | None = None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        #: sleep mode (vLLM 0.33+): between unregister_kv_caches and
+        #: restore_kv_caches the KV cache memory may be freed or remapped
+        self._asleep = False
+        #: asynchronous loads stopped at unregister_kv_caches, reported failed
+        self._stopped_loads: set[str] = set()
         try:
             reason = vllm_api.unsupported()
             if reason:
@@ -124,6 +129,28 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.register(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+, before sleep mode frees or remaps the KV cache memory
+        (and before a weight update borrows it): from here until
+        restore_kv_caches nothing of ours may touch the KV pages. vLLM has
+        drained transfers; the saves' device copies out of the pages are
+        fenced, and an asynchronous load still running is stopped and
+        reported failed (vLLM recomputes it). Idempotent."""
+        self._asleep = True
+        if self._worker is None:
+            return
+        try:
+            self._worker.fence()
+            self._stopped_loads |= self._worker.abandon_loads()
+        except Exception:
+            logger.exception("npukv_store: unregister_kv_caches failed")
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33+, after wake-up: the KV cache is back at the same
+        addresses (vLLM keeps the views), so the registration still holds.
+        Idempotent."""
+        self._asleep = False
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, NPUKVMetadata):
@@ -134,8 +161,19 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             _guard(self._worker.fence, "handle_preemptions")
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._worker is not None:
-            _guard(self._worker.start_load, "start_load_kv")
+        if self._worker is None:
+            return
+        if self._asleep:  # no step runs asleep; if one does, it loads nothing
+            _guard(self._refuse_loads, "start_load_kv")
+            return
+        _guard(self._worker.start_load, "start_load_kv")
+
+    def _refuse_loads(self) -> None:
+        """The bound step's loads, reported failed without a copy."""
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        if isinstance(meta, NPUKVMetadata):
+            self._worker.loads.start(meta, layerwise=False, disabled=True)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._worker is not None:
@@ -144,11 +182,11 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        if self._worker is not None:
+        if self._worker is not None and not self._asleep:
             _guard(self._worker.save_layer, "save_kv_layer", layer_name)
 
     def wait_for_save(self) -> None:
-        if self._worker is not None:
+        if self._worker is not None and not self._asleep:  # asleep: not saved
             _guard(self._worker.finish_step, "wait_for_save")
 
     def get_finished(
@@ -169,6 +207,10 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             sending = self._worker.held_requests()
             failed = self._worker.abandon_loads()  # vLLM must not wait for ever
             recving = set(failed)
+        if self._stopped_loads:
+            failed |= self._stopped_loads
+            recving |= self._stopped_loads
+            self._stopped_loads = set()
         return TransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
@@ -211,6 +253,22 @@ class NPUKVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if tokens is None:  # vLLM asks again in the next step
             return None, False
         return tokens, tokens > 0 and self._scheduler.load_async
+
+    def get_external_cache_hit_sources(
+        self, request: Any, num_external_tokens: int
+    ) -> dict[Any, int]:
+        """vLLM 0.32+'s hit metrics by tier, asked after
+        update_state_after_alloc: the NVMe store's tokens and the remote
+        tier's (vllm_api.hit_sources). The counts sum to
+        ``num_external_tokens``."""
+        if num_external_tokens <= 0:
+            return {}
+        try:
+            remote = _remote_tokens(self._scheduler, request, num_external_tokens)
+        except Exception:
+            logger.exception("npukv_store: get_external_cache_hit_sources failed")
+            remote = 0
+        return vllm_api.hit_sources(num_external_tokens - remote, remote)
 
     def update_state_after_alloc(
         self, request: Any, blocks: Any, num_external_tokens: int
@@ -309,6 +367,20 @@ def _recompute_failed_loads(transfer: Any) -> None:
             transfer.kv_load_failure_policy,
         )
         transfer.kv_load_failure_policy = "recompute"
+
+
+def _remote_tokens(scheduler: SchedulerSide | None, request: Any, tokens: int) -> int:
+    """How many of a hit's ``tokens`` the remote tier supplies: the blocks
+    from the request's ``remote_from`` on, as SchedulerSide.allocated split
+    its load (0 without a remote tier: its hits end where the local ones do)."""
+    state = None if scheduler is None else scheduler._requests.get(request.request_id)
+    if state is None:
+        return 0
+    bs = scheduler.block_size  # type: ignore[union-attr]
+    start = state.local_tokens // bs
+    stop = start + tokens // bs
+    split = max(start, min(stop, state.remote_from))
+    return (stop - split) * bs
 
 
 def _guard(fn: Any, hook: str, *args: Any) -> None:

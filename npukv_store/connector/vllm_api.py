@@ -5,38 +5,75 @@ API server's stats logger). Chosen once, at import, from what the installed
 vLLM has (feature tests; the version string only bounds the tested range). The
 rest of the connector calls these names and never asks which vLLM it runs on.
 
-Supported: vLLM 0.23 (vllm-ascend 0.23.0.post1) to 0.33. The differences
-(docs/vllm.md §3 has them with file and line):
+Supported: vLLM 0.23 (vllm-ascend 0.23.0.post1) to 0.34, vLLM 0.30 being
+vllm-ascend 0.30.0rc2's. The differences (docs/vllm.md §3 has them with file
+and line):
 
-    TransferResults        vLLM's KVConnectorTransferResults (0.32+), else a
-                           twin: vLLM < 0.32 only calls get_finished
+    TransferResults        vLLM's KVConnectorTransferResults (0.30+), else a
+                           twin: vLLM 0.23 only calls get_finished
     REPORTS_FAILED_LOADS   vLLM takes a failed asynchronous load back per
-                           request (failed_recving, 0.32+); without it a model
-                           of several KV cache groups does not load (saves go on)
-    kv_cache_layout()      KVCacheConfig.kv_cache_layout (0.32+), else ""
+                           request (failed_recving, 0.30+); without it a model
+                           of several KV cache groups does not load (saves go
+                           on). Where it has it, every failed load of such a
+                           model goes there, never to
+                           get_block_ids_with_load_errors: vLLM 0.32+ raises
+                           RuntimeError on a block error of several groups
+    kv_cache_layout()      KVCacheConfig.kv_cache_layout (0.30+), else ""
     HANDS_OFF_BOUNDARY_STATES  the scheduler hands a connector the exact
                            blocks of Mamba align-mode states
-                           (SchedulerOutput.kv_connector_block_state, 0.32+);
+                           (SchedulerOutput.kv_connector_block_state, 0.30+);
                            without it a Mamba group is refused
     boundary_state_offloads()  this step's hand-offs, {} where there are none
     KVEventAPI             vLLM's KV cache events (BlockStored/BlockRemoved)
                            with the fields this version has (group_idx and
-                           locality from 0.32), and its block-hash helpers
+                           locality from 0.30), and its block-hash helpers
     block_ids_source()     the scheduler's block ids: vLLM's KV cache manager
-                           (bound to connectors from 0.32), else tracked from
+                           (bound to connectors from 0.30), else tracked from
                            each step's SchedulerOutput (BlockIdTracker)
     lora_identity()        the adapter's name and path: vLLM < 0.32 hashes the
                            name only, and the store outlives an adapter re-pointed
                            under the same name
+    hit_sources()          vLLM 0.32+'s per-tier split of a hit
+                           (get_external_cache_hit_sources): the NVMe store is
+                           DISK, the remote tier EXTERNAL_UNSPECIFIED (vLLM's
+                           name for a remote store); {} before 0.32, which
+                           never asks
     unsupported()          "" or one line: this vLLM's version and what it lacks
     (stats)                the stats payload is ``data`` on 0.23 and
-                           ``to_dict()`` on 0.32+: NPUKVStats has both, the same
+                           ``to_dict()`` on 0.30+: NPUKVStats has both, the same
                            dict; on 0.23 the scheduler's stats reach the loggers
                            only on steps where a worker sent stats too
                            (docs/metrics.md)
+    (sleep mode)           vLLM 0.33+ calls unregister_kv_caches before sleep
+                           frees or remaps the KV cache memory, and
+                           restore_kv_caches after wake-up: the connector
+                           implements both (the worker stops touching the KV
+                           pages in between); older vLLM never calls them
     WorkerMetadataBase, create_metric_per_engine: absent before 0.18 / 0.23;
                            stand-ins keep the import working there, and
                            unsupported() turns the connector off
+
+Base-class hooks of later vLLM left at vLLM's default on purpose (each default
+is what this connector needs; tests/connector/test_vllm034.py pins them):
+
+    kv_cache_access (0.34)          IN_PROCESS: the workers copy KV pages with
+                                    the device's own copies in this process;
+                                    only the host ring is registered (device,
+                                    Mooncake), never the KV cache
+    supports_lookahead_block_hashes False: lookahead keys would make a block's
+      (0.34)                        hash depend on tokens after it (the
+                                    drafter's KV at a block's end), which the
+                                    store's keys do not hold; vLLM then hashes
+                                    as before
+    may_load_async (0.34)           False (no P/D remote prefill): with
+                                    --max-num-inflight-kv-loads a hybrid
+                                    model's asynchronous load starts when a
+                                    running slot frees, as without the flag
+    supports_sleep_mode (0.33+)     True, with the two hooks above
+    get_loaded_kv_cache_group_ids   every prefix-cacheable group: the load
+      (0.32+)                       writes every non-null block of the hit in
+                                    each group, so vLLM may skip zeroing them
+    get_mem_pool_context (0.32+)    None: the engine's own memory pool
 """
 
 from __future__ import annotations
@@ -63,6 +100,7 @@ __all__ = [
     "boundary_state_offloads",
     "start_loads_before_forward",
     "create_metric_per_engine",
+    "hit_sources",
     "kv_cache_layout",
     "kv_events_enabled",
     "lora_identity",
@@ -70,7 +108,7 @@ __all__ = [
 ]
 
 #: the vLLM minor versions this connector is tested on (README's version table)
-OLDEST, NEWEST = (0, 23), (0, 33)
+OLDEST, NEWEST = (0, 23), (0, 34)
 VLLM_VERSION = str(getattr(vllm, "__version__", "unknown"))
 
 _missing: list[str] = []
@@ -99,7 +137,7 @@ try:
     HANDS_OFF_BOUNDARY_STATES = hasattr(_BlockState, "__dataclass_fields__") and (
         "boundary_state_offloads" in _BlockState.__dataclass_fields__
     )
-except ImportError:  # vLLM < 0.32
+except ImportError:  # vLLM 0.23
     HANDS_OFF_BOUNDARY_STATES = False
 
 
@@ -144,6 +182,26 @@ except ImportError:  # vLLM < 0.23 has make_per_engine only
 if not hasattr(_base, "SupportsHMA"):
     _missing.append("SupportsHMA")
 
+_hit_sources: tuple[Any, Any] | None
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as _HitSource
+
+    _hit_sources = (_HitSource.DISK, _HitSource.EXTERNAL_UNSPECIFIED)
+except ImportError:  # vLLM < 0.32: no per-tier hit metrics, nobody asks
+    _hit_sources = None
+
+
+def hit_sources(local_tokens: int, remote_tokens: int) -> dict[Any, int]:
+    """A hit's tokens by the tier that supplied them, as vLLM's
+    get_external_cache_hit_sources returns them (only non-zero counts): the
+    local NVMe store is DISK; the remote tier (a Mooncake Store shared by
+    nodes) is EXTERNAL_UNSPECIFIED, vLLM's source for a remote store."""
+    if _hit_sources is None:
+        return {}
+    disk, remote = _hit_sources
+    counts = {disk: local_tokens, remote: remote_tokens}
+    return {source: n for source, n in counts.items() if n > 0}
+
 
 def _minor(version: str) -> tuple[int, int] | None:
     match = re.match(r"(\d+)\.(\d+)", version)
@@ -153,7 +211,7 @@ def _minor(version: str) -> tuple[int, int] | None:
 def unsupported(version: str = VLLM_VERSION) -> str:
     """Why the connector cannot run on this vLLM, in one line; "" when it can.
 
-    A version outside 0.23-0.33 is refused even where the features are there:
+    A version outside 0.23-0.34 is refused even where the features are there:
     its hooks may be called in another order, and a cache that may serve wrong
     KV must not guess. A version string that names no release (a source build)
     is judged by its features alone.

@@ -4,9 +4,9 @@ output, the constructors that never raise, the refusals that keep KV right
 (context parallelism, hybrid loads where vLLM cannot take failures back) and
 the LoRA identity that lasts across restarts.
 
-These run on whichever vLLM the lane installed (0.32 in the main lane, 0.23 in
-the second): the version-specific paths are forced where the other vLLM would
-take them.
+These run on whichever vLLM the lane installed (0.32 in the main lane, 0.23,
+0.30, 0.33 and 0.34 in the others): the version-specific paths are forced
+where another vLLM would take them.
 """
 
 from __future__ import annotations
@@ -45,20 +45,26 @@ from tests.support.connector import settings as store_settings
     [
         ("0.23.0", ""),
         ("0.23.0.post1", ""),
+        ("0.30.0", ""),  # vllm-ascend 0.30.0rc2's vLLM
+        ("0.30.0+cpu", ""),
         ("0.32.0+cpu", ""),
         ("0.33.1", ""),
-        ("0.22.1", "outside the tested range 0.23 to 0.33"),
-        ("0.34.0", "outside the tested range 0.23 to 0.33"),
-        ("1.0.0", "outside the tested range 0.23 to 0.33"),
+        ("0.34.0", ""),
+        ("0.34.2", ""),
+        ("0.22.1", "outside the tested range 0.23 to 0.34"),
+        ("0.35.0", "outside the tested range 0.23 to 0.34"),
+        ("0.35.0rc1", "outside the tested range 0.23 to 0.34"),
+        ("1.0.0", "outside the tested range 0.23 to 0.34"),
         ("dev", ""),  # a source build without a release: its features decide
     ],
 )
-def test_the_supported_range_is_0_23_to_0_33(version, verdict):
+def test_the_supported_range_is_0_23_to_0_34(version, verdict):
     reason = vllm_api.unsupported(version)
     assert verdict in reason
     assert bool(reason) == bool(verdict)
     if reason:
         assert f"vLLM {version}" in reason
+        assert "\n" not in reason  # one line
 
 
 def test_this_vllm_is_supported_and_its_features_are_the_ones_it_has():
@@ -107,14 +113,14 @@ def _answers_harmlessly(connector, role) -> None:
 def test_an_unsupported_vllm_turns_the_connector_off_with_one_line(
     role, tmp_path, caplog, monkeypatch
 ):
-    monkeypatch.setattr(vllm_api, "VLLM_VERSION", "0.34.0")
+    monkeypatch.setattr(vllm_api, "VLLM_VERSION", "0.35.0")
     monkeypatch.setattr(connector_module, "_reported_off", set())
-    reason = vllm_api.unsupported("0.34.0")
+    reason = vllm_api.unsupported("0.35.0")
     monkeypatch.setattr(vllm_api, "unsupported", lambda: reason)
     connector, errors = _connector(role, tmp_path, caplog)
     assert len(errors) == 1, errors
     assert "the connector is off" in errors[0]
-    assert "vLLM 0.34.0 is outside the tested range 0.23 to 0.33" in errors[0]
+    assert "vLLM 0.35.0 is outside the tested range 0.23 to 0.34" in errors[0]
     assert not (tmp_path / "cache").exists(), "an unsupported vLLM touched the disk"
     _answers_harmlessly(connector, role)
 
