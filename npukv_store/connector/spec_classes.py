@@ -194,3 +194,59 @@ def _state_mismatch(spec: Any) -> str:
             "decoding moves a Mamba group's state blocks; not served)"
         )
     return ""
+
+
+#: Spec fields that say what a page's bytes mean (a quantization, a packing,
+#: a scale layout, a split of K and V) where its size may say nothing, with
+#: their plain values: a format change of the same page size must change the
+#: namespace (SGLang's storage keys omitted the KV dtype:
+#: sgl-project/sglang#33268). A field is named in the namespace only with a
+#: value other than its plain ones, so an engine with plain KV keeps its keys.
+FORM_FIELDS: dict[str, tuple[Any, ...]] = {
+    # vLLM 0.32+: int8 / fp8 per token-head, int4, TurboQuant
+    "kv_quant_mode": ("NONE",),
+    # packed C (vllm-ascend 0.30's C8-MXFP: FP8 K/V and E8M0 scales)
+    "state_content_bytes": (None,),
+    "num_head_slots": (None,),
+    # where K and V split a page of the same size (MLA: 0); see kv_form
+    "head_size_v": (None, 0),
+    "scale_dim": (None, 0),  # vllm-ascend: per-token scales in the page
+    "cache_sparse_sfa_c8": (None, False),  # vllm-ascend: SFA's packed C8 latent
+    # vllm-ascend 0.30: SFA's packed INT4 latent, rope and scale
+    "cache_sparse_sfa_turboquant": (None, False),
+    "cache_sparse_li_c8": (None, False),
+    "cache_sparse_li_c4": (None, False),
+    "cache_dtype_str": (None, "auto"),
+    "model_version": (None,),  # DeepSeek V4 / GLM-5 page layouts
+    "sfa_dcp_replicated_indexer_size": (None, 1),
+}
+#: dtypes of a quantized form's parts, named only beside one of the above
+FORM_DTYPES = ("scale_dtype", "c8_k_cache_dtype", "c8_k_scale_cache_dtype")
+
+
+def kv_form(spec: Any) -> str:
+    """The format fields of ``spec`` whose values are not plain, as
+    ``name=value`` joined by commas; "" for plain KV. Fields a version
+    lacks count as plain."""
+    parts = []
+    for name, plain in FORM_FIELDS.items():
+        value = getattr(spec, name, None)
+        if name == "kv_quant_mode":
+            value = getattr(value, "name", value)
+        if name == "head_size_v" and value == getattr(spec, "head_size", None):
+            continue  # K and V of one head size: the plain split
+        # by type and value: True == 1 must not read as a plain 1
+        if any(type(value) is type(p) and value == p for p in plain):
+            continue
+        parts.append(f"{name}={_text(value)}")
+    if parts:
+        parts += [
+            f"{name}={_text(getattr(spec, name))}"
+            for name in FORM_DTYPES
+            if hasattr(spec, name)
+        ]
+    return ",".join(parts)
+
+
+def _text(value: Any) -> str:
+    return str(value).removeprefix("torch.")

@@ -1,0 +1,613 @@
+"""vllm-ascend 0.30.0rc2's KV layouts: stored and loaded byte-exact, addresses
+from strides, and a namespace that changes with the KV format (issue 38
+part 2; docs/device.md §7).
+
+The registrations are built as vllm-ascend 0.30.0rc2 builds them
+(tests/support/ascend030.py cites its lines): K and V interleaved per block
+in one allocation, padded page strides, kernel rows, one backing tensor for
+a hybrid's attention and Mamba layers, C8-MXFP's packets, per-layer KV
+dtypes, C8 and INT4 (TurboQuant) packed latents with their scales, and
+Model Runner V2's dict. Each case either goes through a real worker (save
+into a store, load into other blocks of zeroed tensors on a fake NPU) or,
+where the engine is not one the connector serves as a whole, through the
+worker's run arithmetic; every byte is compared, and no byte outside the
+loaded blocks may change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm.v1 import kv_cache_interface
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata
+from npukv_store.connector.namespace import engine_namespaces
+from npukv_store.connector.worker.pages import describe_layer, page_layout
+from npukv_store.hashing import namespace_fingerprint
+from tests.support import ascend as a23
+from tests.support import ascend030 as a30
+from tests.support.ascend import FakeNpuBackend, ascend_mla, make_worker
+from tests.support.connector import engine_config
+from tests.support.connector import settings as store_settings
+
+# vllm-ascend 0.30 runs on vLLM 0.30: its specs' fields (page_size_padded,
+# state_content_bytes, kv_quant_mode) are not in vLLM 0.23's
+pytestmark = pytest.mark.skipif(
+    not hasattr(kv_cache_interface, "KVQuantMode"),
+    reason="vLLM before 0.30 has none of the spec fields vllm-ascend 0.30 sets",
+)
+KVQuantMode = getattr(kv_cache_interface, "KVQuantMode", None)
+NB = 12
+BS, HEADS, HEAD = 16, 2, 8
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+SOURCE, TARGET = [2, 9, 5], [10, 0, 7]
+KEYS = [b"".join(bytes([90 + 8 * g + i]) * 16 for i in range(3)) for g in range(2)]
+
+
+def gqa_spec(**kw) -> FullAttentionSpec:
+    base = dict(block_size=BS, num_kv_heads=HEADS, head_size=HEAD)
+    return FullAttentionSpec(**{"dtype": torch.bfloat16, **base, **kw})
+
+
+def config_of(*groups):
+    """An engine of these (layer names, spec) groups, NB blocks."""
+    config = engine_config(
+        groups=[SimpleNamespace(layer_names=n, kv_cache_spec=s) for n, s in groups]
+    )
+    config[1].num_blocks = NB
+    return config
+
+
+def per_layer(specs: dict):
+    """vLLM's UniformTypeKVCacheSpecs: one group, a spec per layer."""
+    wrapper = type("UniformTypeKVCacheSpecs", (SimpleNamespace,), {})
+    return wrapper(kv_cache_specs=specs)
+
+
+def fingerprint(*groups) -> list[bytes]:
+    engine = engine_namespaces(
+        *config_of(*groups), store_settings(Path("/nonexistent"))
+    )
+    return [namespace_fingerprint(spec) for spec in engine.specs[0]]
+
+
+def through_a_worker(tmp_path, config, make, groups=(0,)) -> None:
+    """Save SOURCE from ``make(1)``'s tensors, load into TARGET of ``make(2)``
+    zeroed, on a fake NPU: every byte equal, nothing else written."""
+    source = make(1)
+    saver = make_worker(
+        tmp_path, config, {n: r.value for n, r in source.items()},
+        FakeNpuBackend(), layerwise="off",
+    )  # fmt: skip
+    saves = [BlockTransfer("r", SOURCE, [KEYS[g]], group=g) for g in groups]
+    saver.bind(NPUKVMetadata(saves=saves))
+    saver.finish_step()
+    assert saver.store is not None
+    assert saver.store.flush(timeout_s=30)
+    saver.close()
+    target = make(2)
+    for reg in target.values():
+        for buffer in reg.buffers:
+            buffer.zero_()
+    loader = make_worker(
+        tmp_path, config, {n: r.value for n, r in target.items()},
+        FakeNpuBackend(), layerwise="off",
+    )  # fmt: skip
+    loads = [BlockTransfer("r", TARGET, [KEYS[g]], group=g) for g in groups]
+    loader.bind(NPUKVMetadata(loads=loads))
+    loader.start_load()
+    loader.finish_step()
+    assert loader.take_load_errors() == set()
+    loader.close()
+    for name, reg in target.items():
+        for new, old in zip(TARGET, SOURCE, strict=True):
+            assert reg.block_bytes(new) == source[name].block_bytes(old), (name, new)
+        reg.zero_blocks(TARGET)
+        assert all(int(b.count_nonzero()) == 0 for b in reg.buffers), name
+
+
+# -- GQA: K and V interleaved in one allocation ---------------------------------------
+
+
+def mrv1_combined(seed: int, dtype=torch.bfloat16) -> a30.Registration:
+    elem = torch.empty(0, dtype=dtype).element_size()
+    owner, raw = a30.aligned_int8(NB * 2 * BS * HEADS * HEAD * elem, seed)
+    return a30.Registration(a30.combined_kv(raw, NB, BS, HEADS, HEAD, dtype), [owner])
+
+
+def test_mrv1_interleaved_kv_is_read_from_strides():
+    """model_runner_v1.py:5719-5742: k and v are views of one buffer with
+    stride (2 * page_half, ...): block b's K at 2*b*half, its V right after.
+    Shape alone would put block b at b*half: another block's bytes."""
+    reg = mrv1_combined(1)
+    k, v = reg.value
+    half = BS * HEADS * HEAD * 2
+    assert k.stride(0) * 2 == 2 * half
+    assert v.data_ptr() - k.data_ptr() == half
+    layout = describe_layer(LAYERS[0], reg.value, NB)
+    assert [(s.base_ptr - k.data_ptr(), s.block_stride) for s in layout.segments] == [
+        (0, 2 * half),
+        (half, 2 * half),
+    ]
+    a30.ring_round_trip({LAYERS[0]: reg}, {LAYERS[0]: layout}, SOURCE, TARGET)
+
+
+def test_interleaved_kv_through_a_worker(tmp_path):
+    config = config_of((LAYERS, gqa_spec()))
+    through_a_worker(
+        tmp_path,
+        config,
+        lambda s: {n: mrv1_combined(s + i) for i, n in enumerate(LAYERS)},
+    )
+
+
+def test_interleaved_pages_load_into_separate_buffers(tmp_path):
+    """The page is canonical (K's block, then V's): saved from one
+    allocation with K/V interleaved, loaded into vllm-ascend's separate
+    (k, v) buffers (model_runner_v1.py:5850-5866) byte for byte."""
+    config = config_of((LAYERS, gqa_spec()))
+    shape = (NB, BS, HEADS, HEAD)
+
+    def make(seed):
+        if seed == 1:
+            return {n: mrv1_combined(seed + i) for i, n in enumerate(LAYERS)}
+        return {
+            n: a30.separate([(shape, torch.bfloat16)] * 2, 10 * i)
+            for i, n in enumerate(LAYERS)
+        }
+
+    through_a_worker(tmp_path, config, make)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.int8]),
+    heads=st.integers(1, 3),
+    head=st.sampled_from([4, 8, 12]),
+    kernel=st.sampled_from([2, 4]),
+    rows=st.integers(1, 3),
+    pad=st.sampled_from([None, 0, 8, 64, 300]),
+    data=st.data(),
+)
+def test_random_interleavings_and_paddings_round_trip(
+    dtype, heads, head, kernel, rows, pad, data
+):
+    """MRV1 (pad None) or MRV2 with padded pages (v2/attn_utils.py:687-722),
+    ``rows`` kernel rows per vLLM block: byte-exact both ways, padding and
+    other blocks untouched."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    hidden = kernel * heads * head * elem
+    if pad is None and rows > 1:
+        pad = 0  # MRV1's combined form has one kernel row per block
+    page = None if pad is None else rows * (2 * hidden + pad * elem)
+    owner, raw = a30.aligned_int8(
+        NB * (page or 2 * hidden), data.draw(st.integers(0, 99))
+    )
+    value = a30.combined_kv(
+        raw, NB, kernel, heads, head, dtype, page_stride_bytes=page, rows_per_block=rows
+    )
+    reg = a30.Registration(value, [owner])
+    layout = page_layout("l", {"l": value}, NB, 2 * rows * hidden, rows_per_block=rows)
+    blocks = data.draw(
+        st.lists(st.integers(0, NB - 1), min_size=1, max_size=4, unique=True)
+    )
+    targets = data.draw(st.permutations(range(NB)))[: len(blocks)]
+    a30.ring_round_trip({"l": reg}, {"l": layout}, blocks, targets, rows)
+
+
+# -- one backing tensor for a hybrid; padded pages ------------------------------------
+
+CONV, SSM = (3, 8), (2, 4, 4)  # a Mamba layer's states (fp32)
+
+
+def hybrid_backing(seed: int, padded: int):
+    """MRV2's hybrid (v2/attn_utils.py:960-1040): one backing buffer that
+    both groups overlay from byte 0, layer i of each group at i * layer
+    size; attention views stride the padded page (:687-722), Mamba states
+    pack into it (``_reshape_mamba_kv_cache``, :1281-1298)."""
+    layer_bytes = NB * padded
+    owner, raw = a30.aligned_int8(2 * layer_bytes, seed)
+    attention, states = {}, {}
+    for i in range(2):
+        own = raw[i * layer_bytes : (i + 1) * layer_bytes]
+        kv = a30.combined_kv(
+            own, NB, BS, HEADS, HEAD, torch.bfloat16, page_stride_bytes=padded
+        )
+        attention[f"model.layers.{2 * i}.self_attn.attn"] = a30.Registration(
+            kv, [owner]
+        )
+        mamba = a30.page_strided(
+            own, [(NB, *CONV), (NB, *SSM)], [torch.float32] * 2, padded
+        )
+        states[f"model.layers.{2 * i + 1}.linear_attn"] = a30.Registration(
+            mamba, [owner]
+        )
+    return attention, states
+
+
+def test_one_backing_tensor_for_a_hybrid():
+    """Attention pages padded to the Mamba page (model_runner_v1.py:
+    6335-6343; vLLM's page_size_padded): the namespace stores the unpadded
+    page (the padding is no KV), the worker finds exactly it in both
+    groups' views of the shared buffer, and blocks of the two groups (a
+    block id belongs to one group at a time) round-trip byte-exact."""
+    unpadded = 2 * BS * HEADS * HEAD * 2
+    padded = unpadded + 96
+    state_bytes = 4 * (3 * 8 + 2 * 4 * 4)
+    attn, states = hybrid_backing(3, padded)
+    mamba = MambaSpec(
+        block_size=BS, shapes=(CONV, SSM), dtypes=(torch.float32,) * 2,
+        page_size_padded=padded, mamba_cache_mode="align",
+    )  # fmt: skip
+    engine = engine_namespaces(
+        *config_of(
+            (list(attn), gqa_spec(page_size_padded=padded)), (list(states), mamba)
+        ),
+        store_settings(Path("/nonexistent")),
+    )
+    rows = {
+        layer.name: layer.row_bytes for spec in engine.specs[0] for layer in spec.layers
+    }
+    assert set(rows.values()) == {unpadded, state_bytes}
+    caches = {n: r.value for n, r in {**attn, **states}.items()}
+    layouts = {n: page_layout(n, caches, NB, rows[n]) for n in caches}
+    assert {s.block_stride for lay in layouts.values() for s in lay.segments} == {
+        padded
+    }
+    a30.ring_round_trip(attn, layouts, [1, 4], [6, 3])
+    attn, states = hybrid_backing(3, padded)
+    caches = {n: r.value for n, r in {**attn, **states}.items()}
+    layouts = {n: page_layout(n, caches, NB, rows[n]) for n in caches}
+    a30.ring_round_trip(states, layouts, [2, 8], [11, 0])
+
+
+def test_a_padded_page_keeps_the_unpadded_keys():
+    """Padding is not data: the same layers padded or not share a namespace,
+    so an engine whose page is padded finds the blocks an unpadded one saved."""
+    assert fingerprint((LAYERS, gqa_spec())) == fingerprint(
+        (LAYERS, gqa_spec(page_size_padded=4096))
+    )
+
+
+# -- C8-MXFP: FP8 K/V with E8M0 scales in one packet per block ------------------------
+
+MX_BS, MX_HEADS, MX_DIM = 64, 2, 64
+
+
+def mxfp_spec(**kw) -> FullAttentionSpec:
+    """mxfp_cache_spec (attention_c8_mxfp.py:181-192): FP8, and the scales
+    budgeted through state_content_bytes."""
+    content = 2 * MX_DIM + 2 * MX_DIM // a30.MXFP_GROUP
+    return FullAttentionSpec(
+        block_size=MX_BS, num_kv_heads=MX_HEADS, head_size=MX_DIM,
+        dtype=torch.float8_e4m3fn, state_content_bytes=content, **kw,
+    )  # fmt: skip
+
+
+def mxfp_layer(seed: int, pitch: int) -> a30.Registration:
+    owner, raw = a30.aligned_int8(NB * pitch, seed)
+    views = a30.mxfp_views(raw, NB, MX_HEADS, MX_DIM, MX_DIM, MX_BS, pitch=pitch)
+    return a30.Registration(views, [owner])
+
+
+def test_c8_mxfp_packets_through_a_worker(tmp_path):
+    """(K, V, K scale, V scale) of packets [K | Ks | V | Vs | pad]: tuple
+    order is not address order, the page is the four in tuple order, and
+    every byte, the E8M0 scales included, comes back."""
+    payload = sum(a30.mxfp_sections(MX_HEADS, MX_BS, MX_DIM, MX_DIM))
+    pitch = payload + 512
+    spec = mxfp_spec(page_size_padded=pitch)
+    assert spec.real_page_size_bytes == payload
+    layers = LAYERS[:2]
+    config = config_of((layers, spec))
+    through_a_worker(
+        tmp_path,
+        config,
+        lambda s: {n: mxfp_layer(s + i, pitch) for i, n in enumerate(layers)},
+    )
+
+
+# -- per-layer dtypes, non-uniform page sizes ----------------------------------------
+
+
+def test_per_layer_dtypes_and_page_sizes_through_a_worker(tmp_path):
+    """A per-layer group (kv_cache_dtype_skip_layers: fp8 layers beside a
+    bf16 one, and a layer of other heads) and a second group of another
+    page size: each layer's own page, byte-exact."""
+    heads = {LAYERS[0]: 2, LAYERS[1]: 2, LAYERS[2]: 1}
+    dtypes = {LAYERS[0]: torch.float8_e4m3fn, LAYERS[1]: torch.bfloat16}
+    dtypes[LAYERS[2]] = torch.float8_e4m3fn
+    specs = {n: gqa_spec(dtype=dtypes[n], num_kv_heads=heads[n]) for n in LAYERS}
+    other = ["model.layers.3.self_attn.attn"]
+    config = config_of((LAYERS, per_layer(specs)), (other, gqa_spec(head_size=4)))
+    engine = engine_namespaces(*config, store_settings(tmp_path))
+    assert (
+        "layers=float8_e4m3fn[]|bfloat16[]|float8_e4m3fn[]" in engine.specs[0][0].extra
+    )
+
+    def make(seed):
+        regs = {
+            n: a30.separate([((NB, BS, heads[n], HEAD), dtypes[n])] * 2, seed * 10 + i)
+            for i, n in enumerate(LAYERS)
+        }
+        regs[other[0]] = a30.separate([((NB, BS, HEADS, 4), torch.bfloat16)] * 2, seed)
+        return regs
+
+    through_a_worker(tmp_path, config, make, groups=(0, 1))
+
+
+# -- C8 and INT4 latents with their scales; page-strided MLA ---------------------------
+
+LORA, ROPE, TILE = 64, 16, 32  # kv_lora_rank, qk_rope_head_dim, SFA QSFA tile
+
+
+def packed_mla(form: str, **kw) -> a30.AscendMLAAttentionSpec:
+    """The 0.30 spec of an SFA main cache (model_runner_v1.py:6186-6235):
+    one int8 slot per token, C8 (int8 nope, bf16 rope, fp32 tile scales) or
+    TurboQuant (INT4 nope two per byte, bf16 rope, one fp16 scale)."""
+    if form == "c8":
+        head = a30.c8_packed_head_bytes(LORA, ROPE, TILE)
+        kw = {"cache_sparse_sfa_c8": True, **kw}
+    else:
+        head = a30.tq4_slot_bytes(LORA, ROPE)
+        kw = {"cache_sparse_sfa_turboquant": True, **kw}
+    fields = {"head_size": head, **kw}  # a test may force one slot size
+    return a30.AscendMLAAttentionSpec(
+        block_size=BS, num_kv_heads=1, dtype=torch.int8, **fields
+    )
+
+
+@pytest.mark.parametrize("form", ["c8", "tq4"])
+def test_packed_latents_with_scales_through_a_worker(tmp_path, form):
+    """The packed main cache registers as a 1-tuple [B, bs, 1, slot] of int8
+    (model_runner_v1.py:5863-5870; MRV2 v2/attn_utils.py:1630-1639): the
+    packed values and their scales are one opaque slot per token."""
+    spec = packed_mla(form)
+    config = config_of((LAYERS, spec))
+    config[0].model_config.use_mla = True
+    slot = spec.head_size
+    through_a_worker(
+        tmp_path,
+        config,
+        lambda s: {
+            n: a30.separate([((NB, BS, 1, slot), torch.int8)], 7 * s + i)
+            for i, n in enumerate(LAYERS)
+        },
+    )
+
+
+def test_c8_indexer_key_and_scale_round_trip():
+    """The SFA indexer's C8 key and its scale: two buffers (int8 key, fp16
+    scale; model_runner_v1.py:5556-5594), or one page-strided buffer whose
+    third view overlaps both (DeepSeek V4.1's ``full``, :5513-5545): the
+    covering view is dropped and the key and scale stored once."""
+    key, scale = ((NB, BS, 1, 32), torch.int8), ((NB, BS, 1, 1), torch.float16)
+    two = a30.separate([key, scale], 40)
+    layout = describe_layer("idx", two.value, NB)
+    assert layout.page_bytes == BS * (32 + 2)
+    a30.ring_round_trip({"idx": two}, {"idx": layout}, [3, 11], [4, 5])
+    page = BS * (32 + 2) + 64
+    owner, raw = a30.aligned_int8(NB * page, 41)
+    full_shape = (NB, BS, 1, 32 + 2)
+    views = a30.page_strided(
+        raw, [key[0], scale[0], full_shape], [torch.int8, torch.float16, torch.int8],
+        page, overlap_full=True,
+    )  # fmt: skip
+    reg = a30.Registration(tuple(views), [owner], data_members=(0, 1))
+    layout = describe_layer("idx", reg.value, NB)
+    assert "dropped" in layout.kind
+    assert layout.page_bytes == BS * (32 + 2)
+    a30.ring_round_trip({"idx": reg}, {"idx": layout}, [0, 6], [9, 1])
+
+
+def test_page_strided_mla_nope_rope_round_trip():
+    """``indexes_kv_by_block_stride`` MLA (model_runner_v1.py:5472-5545):
+    nope and rope as two dtype views of one page-strided buffer; and MRV2's
+    combined MLA (v2/attn_utils.py:1646-1656): contiguous nope then rope
+    planes after leading padding."""
+    page = BS * (LORA + ROPE) * 2 + 128
+    owner, raw = a30.aligned_int8(NB * page, 50)
+    views = a30.page_strided(
+        raw, [(NB, BS, 1, LORA), (NB, BS, 1, ROPE)], [torch.bfloat16] * 2, page
+    )
+    reg = a30.Registration(tuple(views), [owner])
+    layout = describe_layer("mla", reg.value, NB)
+    a30.ring_round_trip({"mla": reg}, {"mla": layout}, [1, 2, 3], [3, 2, 1])
+    pad = 256
+    owner, raw = a30.aligned_int8(pad + NB * BS * (LORA + ROPE) * 2, 51)
+    typed = raw.view(torch.bfloat16)
+    k_el = NB * BS * LORA
+    start = pad // 2
+    nope = typed[start : start + k_el].view(NB, BS, 1, LORA)
+    rope = typed[start + k_el :].view(NB, BS, 1, ROPE)
+    reg = a30.Registration((nope, rope), [owner])
+    layout = describe_layer("mla", reg.value, NB)
+    a30.ring_round_trip({"mla": reg}, {"mla": layout}, [0, 11], [5, 6])
+
+
+# -- Model Runner V2's dict -----------------------------------------------------------
+
+
+def test_model_runner_v2_dict_through_a_worker(tmp_path):
+    """What MRV2 hands over (vLLM 0.30 gpu/kv_connector.py:55-60 with
+    vllm-ascend's ``_reshape_kv_cache_v2``, v2/attn_utils.py:1301-1680):
+    padded combined (k, v) per layer, plus entries for KV-sharing layers
+    that alias another layer's tuple (:1677-1679) and are in no group."""
+    unpadded = 2 * BS * HEADS * HEAD * 2
+    padded = unpadded + 128
+
+    def make(seed):
+        regs = {}
+        for i, name in enumerate(LAYERS):
+            owner, raw = a30.aligned_int8(NB * padded, seed * 10 + i)
+            kv = a30.combined_kv(
+                raw, NB, BS, HEADS, HEAD, torch.bfloat16, page_stride_bytes=padded
+            )
+            regs[name] = a30.Registration(kv, [owner])
+        return regs
+
+    config = config_of((LAYERS, gqa_spec(page_size_padded=padded)))
+    source = make(1)
+    value = {n: r.value for n, r in source.items()}
+    value["model.layers.3.self_attn.attn"] = value[LAYERS[0]]  # a sharing layer
+    worker = make_worker(tmp_path, config, value, FakeNpuBackend(), layerwise="off")
+    assert [lay.layout.page_bytes for lay in worker.layers] == [unpadded] * 3
+    worker.close()
+    through_a_worker(tmp_path, config, make)
+
+
+# -- the namespace covers the format ---------------------------------------------------
+
+
+def li_c8(**kw):
+    """vllm-ascend 0.23's served DSA form with a C8 indexer key and its scale
+    (tests/support/ascend.py; test_dsa_indexer.py)."""
+    return ascend_mla(
+        head_size=a23.NOPE + a23.ROPE + 12, sparse_head_dim=(a23.NOPE, a23.ROPE, 12),
+        cache_sparse_li_c8=True, **kw,
+    )  # fmt: skip
+
+
+def by_layer(*specs):
+    return per_layer(dict(zip(LAYERS[: len(specs)], specs, strict=True)))
+
+
+#: built when a test runs (vLLM 0.23 has not the fields to build them)
+FORMATS = {
+    "kv dtype (bf16 -> int8 C8)": lambda: (
+        gqa_spec(),
+        gqa_spec(dtype=torch.int8, head_size=2 * HEAD),
+    ),
+    "kv quant mode": lambda: (
+        gqa_spec(dtype=torch.int8),
+        gqa_spec(dtype=torch.int8, kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD),
+    ),
+    "C8 against INT4 packing": lambda: (
+        packed_mla("c8", head_size=64),
+        packed_mla("tq4", head_size=64),
+    ),
+    "scale dtype (fp16 -> bf16)": lambda: (
+        li_c8(),
+        li_c8(c8_k_scale_cache_dtype=torch.bfloat16),
+    ),
+    "C8 key dtype (int8 -> fp8)": lambda: (
+        li_c8(),
+        li_c8(c8_k_cache_dtype=torch.float8_e4m3fn),
+    ),
+    "C8-MXFP against plain FP8": lambda: (
+        mxfp_spec(),
+        FullAttentionSpec(
+            block_size=MX_BS,
+            num_kv_heads=MX_HEADS,
+            head_size=66,
+            dtype=torch.float8_e4m3fn,
+        ),
+    ),
+    "K/V split": lambda: (gqa_spec(), gqa_spec(head_size=12, head_size_v=4)),
+    "per-layer dtypes": lambda: (
+        by_layer(gqa_spec(dtype=torch.int8, head_size=16), gqa_spec()),
+        by_layer(gqa_spec(), gqa_spec(dtype=torch.int8, head_size=16)),
+    ),
+}
+
+
+@pytest.mark.parametrize("what", sorted(FORMATS))
+def test_a_changed_format_of_the_same_page_size_changes_the_namespace(what):
+    """Each pair stores pages of the same size whose bytes mean different
+    things: a server whose KV format changed must miss, not load old bytes."""
+    before, after = FORMATS[what]()
+    layers = LAYERS[:2] if what == "per-layer dtypes" else LAYERS
+    engines = [
+        engine_namespaces(*config_of((layers, s)), store_settings(Path("/nonexistent")))
+        for s in (before, after)
+    ]
+    rows = [[lay.row_bytes for lay in e.specs[0][0].layers] for e in engines]
+    assert rows[0] == rows[1]  # the same page sizes: only the format differs
+    assert fingerprint((layers, before)) != fingerprint((layers, after))
+
+
+def test_the_physical_layout_name_is_in_the_namespace():
+    """vLLM's KV cache layout (the page's stride order on 0.32+) was already
+    covered; it stays."""
+    plain = config_of((LAYERS, gqa_spec()))
+    other = config_of((LAYERS, gqa_spec()))
+    other[1].kv_cache_layout = "LBNHC"
+    prints = [
+        namespace_fingerprint(
+            engine_namespaces(*c, store_settings(Path("/nonexistent"))).specs[0][0]
+        )
+        for c in (plain, other)
+    ]
+    assert prints[0] != prints[1]
+
+
+def test_plain_engines_keep_their_keys():
+    """No new field appears for plain KV (and a 0.23-era plain MLA spec), so
+    the fingerprints of existing caches are what they were."""
+    import vllm
+
+    minor = ".".join(vllm.__version__.split(".")[:2])
+    engine = engine_namespaces(
+        *config_of((LAYERS, gqa_spec())), store_settings(Path("/nonexistent"))
+    )
+    assert engine.specs[0][0].extra == (
+        f"platform=cpu;layout=LBHNC;vllm={minor};user=;groups=1;group=0;"
+        "kind=full;tail=0;spec=FullAttentionSpec"
+    )
+    mla = a30.AscendMLAAttentionSpec(
+        block_size=BS, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.bfloat16
+    )
+    extra = (
+        engine_namespaces(
+            *config_of((LAYERS, mla)), store_settings(Path("/nonexistent"))
+        )
+        .specs[0][0]
+        .extra
+    )
+    assert extra.endswith("spec=AscendMLAAttentionSpec")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    forms=st.lists(
+        st.tuples(
+            st.booleans(),
+            st.sampled_from([torch.float16, torch.bfloat16]),
+            st.sampled_from([torch.int8, torch.float8_e4m3fn]),
+            st.sampled_from(["c8", "tq4"]),
+        ),
+        min_size=2,
+        max_size=2,
+    )
+)
+def test_namespaces_differ_exactly_when_formats_differ(forms):
+    """Random C8 indexers (on or off, their scale and key dtypes, all of one
+    size) and packed latents (C8 or INT4, forced to one slot size): two
+    engines share a namespace if and only if their formats are the same."""
+
+    def key(c8, scale, key_dtype, packing):
+        return (c8, scale, key_dtype) if c8 else (c8,), packing
+
+    prints = []
+    for c8, scale, key_dtype, packing in forms:
+        indexer = (
+            li_c8(c8_k_scale_cache_dtype=scale, c8_k_cache_dtype=key_dtype)
+            if c8
+            else ascend_mla(
+                head_size=a23.NOPE + a23.ROPE + 12,
+                sparse_head_dim=(a23.NOPE, a23.ROPE, 12),
+            )
+        )
+        latent = packed_mla(packing, head_size=64)
+        config = config_of((LAYERS[:1], indexer), (LAYERS[1:], latent))
+        config[0].model_config.use_mla = True
+        engine = engine_namespaces(*config, store_settings(Path("/nonexistent")))
+        prints.append([namespace_fingerprint(spec) for spec in engine.specs[0]])
+    same = [prints[0][g] == prints[1][g] for g in (0, 1)]
+    assert same == [key(*forms[0])[g] == key(*forms[1])[g] for g in (0, 1)]
