@@ -17,7 +17,7 @@ loaded blocks may change.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -26,14 +26,12 @@ from hypothesis import strategies as st
 from vllm.v1 import kv_cache_interface
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata
 from npukv_store.connector.namespace import engine_namespaces
-from npukv_store.connector.worker.pages import describe_layer, page_layout
+from npukv_store.connector.worker.pages import LayoutError, describe_layer, page_layout
 from npukv_store.hashing import namespace_fingerprint
 from tests.support import ascend as a23
 from tests.support import ascend030 as a30
 from tests.support.ascend import FakeNpuBackend, ascend_mla, make_worker
-from tests.support.connector import engine_config
 from tests.support.connector import settings as store_settings
 
 # vllm-ascend 0.30 runs on vLLM 0.30: its specs' fields (page_size_padded,
@@ -47,7 +45,6 @@ NB = 12
 BS, HEADS, HEAD = 16, 2, 8
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 SOURCE, TARGET = [2, 9, 5], [10, 0, 7]
-KEYS = [b"".join(bytes([90 + 8 * g + i]) * 16 for i in range(3)) for g in range(2)]
 
 
 def gqa_spec(**kw) -> FullAttentionSpec:
@@ -56,60 +53,15 @@ def gqa_spec(**kw) -> FullAttentionSpec:
 
 
 def config_of(*groups):
-    """An engine of these (layer names, spec) groups, NB blocks."""
-    config = engine_config(
-        groups=[SimpleNamespace(layer_names=n, kv_cache_spec=s) for n, s in groups]
-    )
-    config[1].num_blocks = NB
-    return config
-
-
-def per_layer(specs: dict):
-    """vLLM's UniformTypeKVCacheSpecs: one group, a spec per layer."""
-    wrapper = type("UniformTypeKVCacheSpecs", (SimpleNamespace,), {})
-    return wrapper(kv_cache_specs=specs)
+    return a23.config_of(*groups, num_blocks=NB)
 
 
 def fingerprint(*groups) -> list[bytes]:
-    engine = engine_namespaces(
-        *config_of(*groups), store_settings(Path("/nonexistent"))
-    )
-    return [namespace_fingerprint(spec) for spec in engine.specs[0]]
+    return a23.fingerprints(config_of(*groups))
 
 
 def through_a_worker(tmp_path, config, make, groups=(0,)) -> None:
-    """Save SOURCE from ``make(1)``'s tensors, load into TARGET of ``make(2)``
-    zeroed, on a fake NPU: every byte equal, nothing else written."""
-    source = make(1)
-    saver = make_worker(
-        tmp_path, config, {n: r.value for n, r in source.items()},
-        FakeNpuBackend(), layerwise="off",
-    )  # fmt: skip
-    saves = [BlockTransfer("r", SOURCE, [KEYS[g]], group=g) for g in groups]
-    saver.bind(NPUKVMetadata(saves=saves))
-    saver.finish_step()
-    assert saver.store is not None
-    assert saver.store.flush(timeout_s=30)
-    saver.close()
-    target = make(2)
-    for reg in target.values():
-        for buffer in reg.buffers:
-            buffer.zero_()
-    loader = make_worker(
-        tmp_path, config, {n: r.value for n, r in target.items()},
-        FakeNpuBackend(), layerwise="off",
-    )  # fmt: skip
-    loads = [BlockTransfer("r", TARGET, [KEYS[g]], group=g) for g in groups]
-    loader.bind(NPUKVMetadata(loads=loads))
-    loader.start_load()
-    loader.finish_step()
-    assert loader.take_load_errors() == set()
-    loader.close()
-    for name, reg in target.items():
-        for new, old in zip(TARGET, SOURCE, strict=True):
-            assert reg.block_bytes(new) == source[name].block_bytes(old), (name, new)
-        reg.zero_blocks(TARGET)
-        assert all(int(b.count_nonzero()) == 0 for b in reg.buffers), name
+    a23.worker_round_trip(tmp_path, config, make, SOURCE, TARGET, groups)
 
 
 # -- GQA: K and V interleaved in one allocation ---------------------------------------
@@ -122,7 +74,7 @@ def mrv1_combined(seed: int, dtype=torch.bfloat16) -> a30.Registration:
 
 
 def test_mrv1_interleaved_kv_is_read_from_strides():
-    """model_runner_v1.py:5719-5742: k and v are views of one buffer with
+    """model_runner_v1.py:5720-5744: k and v are views of one buffer with
     stride (2 * page_half, ...): block b's K at 2*b*half, its V right after.
     Shape alone would put block b at b*half: another block's bytes."""
     reg = mrv1_combined(1)
@@ -325,7 +277,7 @@ def test_per_layer_dtypes_and_page_sizes_through_a_worker(tmp_path):
     dtypes[LAYERS[2]] = torch.float8_e4m3fn
     specs = {n: gqa_spec(dtype=dtypes[n], num_kv_heads=heads[n]) for n in LAYERS}
     other = ["model.layers.3.self_attn.attn"]
-    config = config_of((LAYERS, per_layer(specs)), (other, gqa_spec(head_size=4)))
+    config = config_of((LAYERS, a23.per_layer(specs)), (other, gqa_spec(head_size=4)))
     engine = engine_namespaces(*config, store_settings(tmp_path))
     assert (
         "layers=float8_e4m3fn[]|bfloat16[]|float8_e4m3fn[]" in engine.specs[0][0].extra
@@ -347,7 +299,7 @@ def test_per_layer_dtypes_and_page_sizes_through_a_worker(tmp_path):
 LORA, ROPE, TILE = 64, 16, 32  # kv_lora_rank, qk_rope_head_dim, SFA QSFA tile
 
 
-def packed_mla(form: str, **kw) -> a30.AscendMLAAttentionSpec:
+def packed_mla(form: str, **kw) -> Any:
     """The 0.30 spec of an SFA main cache (model_runner_v1.py:6186-6235):
     one int8 slot per token, C8 (int8 nope, bf16 rope, fp32 tile scales) or
     TurboQuant (INT4 nope two per byte, bf16 rope, one fp16 scale)."""
@@ -358,7 +310,7 @@ def packed_mla(form: str, **kw) -> a30.AscendMLAAttentionSpec:
         head = a30.tq4_slot_bytes(LORA, ROPE)
         kw = {"cache_sparse_sfa_turboquant": True, **kw}
     fields = {"head_size": head, **kw}  # a test may force one slot size
-    return a30.AscendMLAAttentionSpec(
+    return a23.AscendMLAAttentionSpec030(
         block_size=BS, num_kv_heads=1, dtype=torch.int8, **fields
     )
 
@@ -366,7 +318,7 @@ def packed_mla(form: str, **kw) -> a30.AscendMLAAttentionSpec:
 @pytest.mark.parametrize("form", ["c8", "tq4"])
 def test_packed_latents_with_scales_through_a_worker(tmp_path, form):
     """The packed main cache registers as a 1-tuple [B, bs, 1, slot] of int8
-    (model_runner_v1.py:5863-5870; MRV2 v2/attn_utils.py:1630-1639): the
+    (model_runner_v1.py:5848-5863; MRV2 v2/attn_utils.py:1631-1639): the
     packed values and their scales are one opaque slot per token."""
     spec = packed_mla(form)
     config = config_of((LAYERS, spec))
@@ -384,8 +336,8 @@ def test_packed_latents_with_scales_through_a_worker(tmp_path, form):
 
 def test_c8_indexer_key_and_scale_round_trip():
     """The SFA indexer's C8 key and its scale: two buffers (int8 key, fp16
-    scale; model_runner_v1.py:5556-5594), or one page-strided buffer whose
-    third view overlaps both (DeepSeek V4.1's ``full``, :5513-5545): the
+    scale; model_runner_v1.py:5551-5593), or one page-strided buffer whose
+    third view overlaps both (DeepSeek V4.1's ``full``, :5513-5550): the
     covering view is dropped and the key and scale stored once."""
     key, scale = ((NB, BS, 1, 32), torch.int8), ((NB, BS, 1, 1), torch.float16)
     two = a30.separate([key, scale], 40)
@@ -407,9 +359,9 @@ def test_c8_indexer_key_and_scale_round_trip():
 
 
 def test_page_strided_mla_nope_rope_round_trip():
-    """``indexes_kv_by_block_stride`` MLA (model_runner_v1.py:5472-5545):
+    """``indexes_kv_by_block_stride`` MLA (model_runner_v1.py:5477-5550):
     nope and rope as two dtype views of one page-strided buffer; and MRV2's
-    combined MLA (v2/attn_utils.py:1646-1656): contiguous nope then rope
+    combined MLA (v2/attn_utils.py:1648-1659): contiguous nope then rope
     planes after leading padding."""
     page = BS * (LORA + ROPE) * 2 + 128
     owner, raw = a30.aligned_int8(NB * page, 50)
@@ -431,6 +383,45 @@ def test_page_strided_mla_nope_rope_round_trip():
     a30.ring_round_trip({"mla": reg}, {"mla": layout}, [0, 11], [5, 6])
 
 
+def test_fa_quant_c8_mla_is_refused_not_stored(tmp_path):
+    """vllm-ascend's per-layer C8 for MLA (FA quant): the spec keeps the
+    bf16 page (model_runner_v1.py:6238-6240) while K is registered int8
+    beside a bf16 rope (:5848-5866, quant_config.get_kv_quant_dtype): the
+    members do not add up to the spec's page, and the worker turns the
+    connector off with one line naming the layer and both sizes."""
+    from npukv_store.connector.worker.side import WorkerSide
+
+    spec = a23.AscendMLAAttentionSpec030(
+        block_size=BS, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.bfloat16
+    )
+    config = config_of((LAYERS, spec))
+    config[0].model_config.use_mla = True
+    members = [((NB, BS, 1, LORA), torch.int8), ((NB, BS, 1, ROPE), torch.bfloat16)]
+    caches = {n: a30.separate(members, i).value for i, n in enumerate(LAYERS)}
+    worker = WorkerSide(*config, store_settings(tmp_path))
+    worker.register(caches)
+    found, expected = BS * (LORA + 2 * ROPE), BS * (LORA + ROPE) * 2
+    assert f"block page of {found} bytes" in worker.disabled_reason
+    assert f"expected {expected} bytes" in worker.disabled_reason
+    assert "\n" not in worker.disabled_reason
+    worker.close()
+
+
+def test_mxfp_kernel_rows_other_than_128_token_ones_are_refused():
+    """C8-MXFP's kernel block is 512 tokens (attention_c8_mxfp.py:397-399):
+    a vLLM block of 1024 is 2 packets, where the worker's kernel-block rule
+    (128-token rows, several groups) tries 8 rows: refused, never stored."""
+    payload = sum(a30.mxfp_sections(MX_HEADS, MX_BS, MX_DIM, MX_DIM))
+    owner, raw = a30.aligned_int8(2 * NB * payload, 60)
+    views = a30.mxfp_views(raw, 2 * NB, MX_HEADS, MX_DIM, MX_DIM, MX_BS)
+    caches = {"l": views}
+    with pytest.raises(LayoutError, match="nor with 8 rows per block|and with 8 rows"):
+        page_layout("l", caches, NB, 2 * payload, rows_per_block=8)
+    assert page_layout("l", caches, NB, 2 * payload, rows_per_block=2).page_bytes == (
+        2 * payload
+    )
+
+
 # -- Model Runner V2's dict -----------------------------------------------------------
 
 
@@ -438,7 +429,7 @@ def test_model_runner_v2_dict_through_a_worker(tmp_path):
     """What MRV2 hands over (vLLM 0.30 gpu/kv_connector.py:55-60 with
     vllm-ascend's ``_reshape_kv_cache_v2``, v2/attn_utils.py:1301-1680):
     padded combined (k, v) per layer, plus entries for KV-sharing layers
-    that alias another layer's tuple (:1677-1679) and are in no group."""
+    that alias another layer's tuple (:1678-1679) and are in no group."""
     unpadded = 2 * BS * HEADS * HEAD * 2
     padded = unpadded + 128
 
@@ -475,7 +466,7 @@ def li_c8(**kw):
 
 
 def by_layer(*specs):
-    return per_layer(dict(zip(LAYERS[: len(specs)], specs, strict=True)))
+    return a23.per_layer(dict(zip(LAYERS[: len(specs)], specs, strict=True)))
 
 
 #: built when a test runs (vLLM 0.23 has not the fields to build them)
@@ -560,7 +551,7 @@ def test_plain_engines_keep_their_keys():
         f"platform=cpu;layout=LBHNC;vllm={minor};user=;groups=1;group=0;"
         "kind=full;tail=0;spec=FullAttentionSpec"
     )
-    mla = a30.AscendMLAAttentionSpec(
+    mla = a23.AscendMLAAttentionSpec030(
         block_size=BS, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.bfloat16
     )
     extra = (

@@ -6,7 +6,11 @@
 - ``FakeNpuBackend`` is the CPU backend (copies are memcpys) with the kind
   "npu", events that only complete when synchronized, and a compute stream
   that records what it was made to wait on;
-- :func:`make_worker`: a registered worker, on such a backend when given.
+- :func:`make_worker`: a registered worker, on such a backend when given;
+- for vllm-ascend 0.30 (tests/connector/test_ascend030_layouts.py):
+  ``AscendMLAAttentionSpec030`` (0.30.0rc2's fields, under the class's own
+  name), engines of given groups, and :func:`worker_round_trip`, a save and
+  a load through real workers compared byte for byte.
 
 Imports vLLM and torch: only the connector's tests use it (tests/connector).
 """
@@ -14,14 +18,19 @@ Imports vLLM and torch: only the connector's tests use it (tests/connector).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
 import npukv_store.device as device
+from npukv_store.connector.metadata import BlockTransfer, NPUKVMetadata
+from npukv_store.connector.namespace import engine_namespaces
 from npukv_store.connector.worker.side import WorkerSide
 from npukv_store.device.cpu import CpuBackend
-from tests.support.connector import BLOCK, settings
+from npukv_store.hashing import namespace_fingerprint
+from tests.support.connector import BLOCK, engine_config, settings
 
 NOPE, ROPE = 16, 8  # kv_lora_rank, qk_rope_head_dim (512 and 64 in DeepSeek)
 # vLLM 0.23's MLAAttentionSpec has compress_ratio; later ones do not
@@ -155,3 +164,107 @@ class FakeNpuBackend(CpuBackend):
         event = FakeEvent()
         self.events.append(event)
         return event
+
+
+# -- vllm-ascend 0.30: its MLA spec, engines, a worker round trip ------------------
+
+
+def _ascend_mla_030() -> type:
+    """vllm-ascend 0.30.0rc2's AscendMLAAttentionSpec (core/kv_cache_interface
+    .py:92-179), under the class name the connector reads: the SFA indexer
+    left it (AscendSFAIndexerCacheSpec), and a packed main cache (C8 or
+    TurboQuant) is one int8 slot per token."""
+
+    @dataclass(frozen=True, kw_only=True)
+    class AscendMLAAttentionSpec(MLAAttentionSpec):
+        scale_dim: int = 0
+        scale_dtype: torch.dtype = torch.int8
+        cache_sparse_sfa_c8: bool = False
+        cache_sparse_sfa_turboquant: bool = False
+        store_on_host: bool = False
+        indexes_kv_by_block_stride: bool = False
+
+        @property
+        def real_page_size_bytes(self) -> int:
+            elem, scale = self.dtype.itemsize, self.scale_dtype.itemsize
+            per_token = self.head_size * elem + self.scale_dim * scale
+            return self.block_size * self.num_kv_heads * per_token
+
+        @property
+        def page_size_bytes(self) -> int:
+            padded = self.page_size_padded
+            return self.real_page_size_bytes if padded is None else padded
+
+    return AscendMLAAttentionSpec
+
+
+AscendMLAAttentionSpec030 = _ascend_mla_030()
+
+
+def config_of(*groups, num_blocks: int):
+    """An engine of these (layer names, spec) groups and ``num_blocks``."""
+    config = engine_config(
+        groups=[SimpleNamespace(layer_names=n, kv_cache_spec=s) for n, s in groups]
+    )
+    config[1].num_blocks = num_blocks
+    return config
+
+
+def per_layer(specs: dict):
+    """vLLM's UniformTypeKVCacheSpecs: one group, a spec per layer."""
+    wrapper = type("UniformTypeKVCacheSpecs", (SimpleNamespace,), {})
+    return wrapper(kv_cache_specs=specs)
+
+
+def fingerprints(config) -> list[bytes]:
+    """The namespace fingerprint of each group of ``config`` (rank 0)."""
+    engine = engine_namespaces(*config, settings(Path("/nonexistent")))
+    return [namespace_fingerprint(spec) for spec in engine.specs[0]]
+
+
+def worker_round_trip(tmp_path, config, make, source, target, groups=(0,)) -> None:
+    """Save blocks ``source`` of ``make(1)``'s layers (name -> an object with
+    ``value``, ``buffers``, ``block_bytes(b)``, ``zero_blocks(bs)``: see
+    tests/support/ascend030.py) through a real worker on a fake NPU, load
+    them into blocks ``target`` of ``make(2)``'s zeroed buffers: every byte
+    equal, and no other byte written."""
+    keys = [
+        b"".join(bytes([90 + 40 * g + i]) * 16 for i in range(len(source)))
+        for g in range(2)
+    ]
+    regs = make(1)
+    saver = make_worker(
+        tmp_path, config, {n: r.value for n, r in regs.items()},
+        FakeNpuBackend(), layerwise="off",
+    )  # fmt: skip
+    saver.bind(
+        NPUKVMetadata(
+            saves=[BlockTransfer("r", source, [keys[g]], group=g) for g in groups]
+        )
+    )
+    saver.finish_step()
+    assert saver.store is not None
+    assert saver.store.flush(timeout_s=30)
+    saver.close()
+    loaded = make(2)
+    for reg in loaded.values():
+        for buffer in reg.buffers:
+            buffer.zero_()
+    loader = make_worker(
+        tmp_path, config, {n: r.value for n, r in loaded.items()},
+        FakeNpuBackend(), layerwise="off",
+    )  # fmt: skip
+    loader.bind(
+        NPUKVMetadata(
+            loads=[BlockTransfer("r", target, [keys[g]], group=g) for g in groups]
+        )
+    )
+    loader.start_load()
+    loader.finish_step()
+    assert loader.take_load_errors() == set()
+    loader.close()
+    for name, reg in loaded.items():
+        for new, old in zip(target, source, strict=True):
+            assert reg.block_bytes(new) == regs[name].block_bytes(old), (name, new)
+        reg.zero_blocks(target)
+        assert all(int(b.count_nonzero()) == 0 for b in reg.buffers), name

@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
 from npukv_store.connector.worker.block_runs import build_runs
 
@@ -114,7 +113,7 @@ def combined_kv(
     """GQA (k, v) over one allocation, K and V interleaved per kernel block.
 
     ``page_stride_bytes=None``: MRV1's combined path
-    (model_runner_v1.py:5719-5742): shape (2, rows, kb, H, D) with strides
+    (model_runner_v1.py:5720-5744): shape (2, rows, kb, H, D) with strides
     (hidden, 2 * hidden, ...): kernel row r's K at 2*hidden*r, its V right
     after. Else MRV2's ``_reshape_combined_attention_kv_cache``
     (v2/attn_utils.py:687-722): the kernel row stride is the padded page
@@ -150,8 +149,8 @@ def page_strided(
     overlap_full: bool = False,
     initial_offset: int = 0,
 ) -> list[torch.Tensor]:
-    """``_adjust_kv_layout`` (model_runner_v1.py:5333-5366; MRV2's
-    ``_adjust_dsv4_kv_layout``, v2/attn_utils.py:655-684): member i is a
+    """``_adjust_kv_layout`` (model_runner_v1.py:5333-5365; MRV2's
+    ``_adjust_dsv4_kv_layout``, v2/attn_utils.py:656-684): member i is a
     dense [B, ...] view of dtype i whose dim 0 strides by ``page_bytes``,
     placed right after member i-1 inside the page; with ``overlap_full``
     member 2 restarts at the page's start (a view over members 0 and 1)."""
@@ -232,7 +231,7 @@ def separate(
     members: list[tuple[tuple[int, ...], torch.dtype]], seed: int
 ) -> Registration:
     """Members in buffers of their own, ``raw.view(dtype).view(shape)``
-    (model_runner_v1.py:5850-5866, the SFA indexer's :5556-5594, MRV2's
+    (model_runner_v1.py:5850-5866, the SFA indexer's :5551-5593, MRV2's
     v2/attn_utils.py:1636-1644): per-layer or per-member KV dtypes (C8's
     int8 K beside a bf16 V or rope, an fp16 or E8M0 scale), packed slots."""
     owners, views = [], []
@@ -258,32 +257,7 @@ def c8_packed_head_bytes(kv_lora_rank: int, rope: int, tile: int) -> int:
     return kv_lora_rank + rope * 2 + (kv_lora_rank // tile) * 4
 
 
-# -- the 0.30 spec, and byte-exact checks -----------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class AscendMLAAttentionSpec(MLAAttentionSpec):
-    """vllm-ascend 0.30.0rc2's fields and page (core/kv_cache_interface.py:
-    84-126): the SFA indexer left the spec (AscendSFAIndexerCacheSpec), and
-    a packed main cache (C8 or TurboQuant) is one int8 slot per token."""
-
-    scale_dim: int = 0
-    scale_dtype: torch.dtype = torch.int8
-    cache_sparse_sfa_c8: bool = False
-    cache_sparse_sfa_turboquant: bool = False
-    store_on_host: bool = False
-    indexes_kv_by_block_stride: bool = False
-
-    @property
-    def real_page_size_bytes(self) -> int:
-        elem, scale = self.dtype.itemsize, self.scale_dtype.itemsize
-        per_token = self.head_size * elem + self.scale_dim * scale
-        return self.block_size * self.num_kv_heads * per_token
-
-    @property
-    def page_size_bytes(self) -> int:
-        padded = self.page_size_padded
-        return self.real_page_size_bytes if padded is None else padded
+# -- byte-exact checks through the run arithmetic ----------------------------------
 
 
 def ring_round_trip(
