@@ -207,28 +207,36 @@ def _saved_blocks(connector: NPUKVStoreConnector) -> int:
 
 def test_asleep_the_worker_neither_copies_nor_loads_and_wakes_as_before(tmp_path):
     """unregister_kv_caches: a step vLLM runs anyway copies nothing out of or
-    into the KV pages (its loads fail, its saves are dropped); after
-    restore_kv_caches the same registration saves again."""
+    into the KV pages (a load of stored blocks fails, a save is dropped);
+    after restore_kv_caches the same registration saves and loads again."""
     caches = cpu_caches(1)
     vllm_config, kv_cache_config = engine_config(extra=_extra(tmp_path))
     connector = NPUKVStoreConnector(
         vllm_config, KVConnectorRole.WORKER, kv_cache_config
     )
     connector.register_kv_caches(caches)
+    stored = [bytes([3, i]) * 8 for i in range(2)]
+    other = [bytes([4, i]) * 8 for i in range(2)]
+    _step(
+        connector, NPUKVMetadata(saves=[BlockTransfer("a", [1, 2], [b"".join(stored)])])
+    )
+    assert _saved_blocks(connector) == 2
+    load = BlockTransfer("l", [5, 6], [b"".join(stored)])
+    save = BlockTransfer("s", [3, 4], [b"".join(other)])
     before = {name: t.clone() for name, t in caches.items()}
-    keys = [bytes([3, i]) * 8 for i in range(2)]
-    save = BlockTransfer("s", [1, 2], [b"".join(keys)])
-    load = BlockTransfer("l", [5, 6], [b"".join(keys)])
     connector.unregister_kv_caches()
     connector.unregister_kv_caches()  # idempotent
     _step(connector, NPUKVMetadata(saves=[save], loads=[load]))
     assert connector.get_block_ids_with_load_errors() == {5, 6}
-    assert _saved_blocks(connector) == 0
+    assert _saved_blocks(connector) == 2
     for name, tensor in caches.items():
         assert torch.equal(tensor, before[name]), f"{name} touched asleep"
     connector.restore_kv_caches()
-    _step(connector, NPUKVMetadata(saves=[save]))
-    assert _saved_blocks(connector) == 2
+    _step(connector, NPUKVMetadata(saves=[save], loads=[load]))
+    assert connector.get_block_ids_with_load_errors() == set()
+    assert _saved_blocks(connector) == 4
+    for name, tensor in caches.items():
+        assert torch.equal(tensor[[5, 6]], before[name][[1, 2]]), name
     connector.shutdown()
 
 
