@@ -409,11 +409,16 @@ def fs_tier_rows(found: dict[str, Any]) -> dict[str, dict[str, str]]:
         f"no capacity and no eviction: {found['disk_bytes_after_3x_more'] / mib:.1f}"
         f" MiB after 3 more rounds of {found['disk_bytes_one_round'] / mib:.1f} MiB",
     )
+    native = ""
+    if found.get("fs_io_C"):
+        fsyncs = "imports fsync" if found.get("fs_io_C_imports_fsync") else "no fsync"
+        native = f", {found['fs_io_C']} (the C path it takes): {fsyncs}"
     kill9 = verdict(
         None,
         "not run (needs the engine): each block is written to a temp file and "
-        f"renamed, {found['fsync_calls_in_io_py']} fsync calls in io.py (a power "
-        "loss can publish an empty or torn block)",
+        f"renamed, {found['fsync_calls_in_io_py']} fsync calls in io.py{native} "
+        "(survives a kill -9 of the process; a power loss can publish an empty "
+        "or torn block)",
     )
     corrupt = verdict(
         not found["corrupt_bytes_differ"],
@@ -425,6 +430,38 @@ def fs_tier_rows(found: dict[str, Any]) -> dict[str, dict[str, str]]:
         ),
     )
     return {"restart": restart, "bounded": bounded, "kill9": kill9, "corrupt": corrupt}
+
+
+def fs_tier_vs_ours(found: dict[str, Any]) -> dict[str, Any]:
+    """The direct drive's figures side by side: vLLM's fs tier's io.py and
+    our KVStore on the same blocks (one prompt's KV), load times and what
+    capacity and corruption did; ``ours_over_fs_*`` ratios of load times."""
+    ours = found.get("ours") or {}
+    if "error" in found or not ours:
+        return {}
+    mib = 1 << 20
+    out: dict[str, Any] = {
+        "blocks": found["blocks"],
+        "block_bytes": found["block_bytes"],
+        "fs_load_cold_ms": round(found["load_cold_s"] * 1e3, 2),
+        "fs_load_warm_ms": round(found["load_warm_s"] * 1e3, 2),
+        "ours_load_cold_ms": round(ours["load_cold_s"] * 1e3, 2),
+        "ours_load_warm_ms": round(ours["load_warm_s"] * 1e3, 2),
+        "fs_disk_mib_after_3x": round(found["disk_bytes_after_3x_more"] / mib, 1),
+        "ours_disk_mib_after_3x": round(ours["disk_bytes_after_3x_more"] / mib, 1),
+        "ours_capacity_mib": round(ours["capacity_bytes"] / mib, 1),
+        "fs_corrupt": found["corrupt_load"]
+        + (", damaged bytes loaded" if found["corrupt_bytes_differ"] else ""),
+        "ours_corrupt": f"{ours['corrupt_blocks_refused']} blocks refused (a miss),"
+        f" {ours['corrupt_blocks_loaded']} undamaged blocks loaded, equal: "
+        f"{ours['corrupt_loaded_equal']}",
+    }
+    for kind in ("cold", "warm"):
+        fs = found[f"load_{kind}_s"]
+        out[f"ours_over_fs_{kind}"] = (
+            round(ours[f"load_{kind}_s"] / fs, 3) if fs else None
+        )
+    return out
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -634,6 +671,7 @@ def run(args: argparse.Namespace) -> Report:
     if "offloading_fs" in wanted:
         fs_found = fs_tier(s)
         report.data["vllm_fs_tier_direct"] = fs_found
+        report.data["fs_tier_vs_ours"] = fs_tier_vs_ours(fs_found)
         if not cuda:
             rows["offloading_fs"]["direct"] = fs_tier_rows(fs_found)
 
@@ -701,6 +739,9 @@ def print_table(data: dict[str, Any]) -> None:
             print(f"  {label} {b}: {v['status']}: {v['reason']}")
         for error in row.get("errors", []):
             print(f"  {row['label']} error: {error[:300]}")
+    if data.get("fs_tier_vs_ours"):
+        print("vLLM's fs tier's io.py and our KVStore, driven directly on the same")
+        print("blocks (one prompt's KV):", json.dumps(data["fs_tier_vs_ours"]))
     shown = {k: v for k, v in data.items() if k.startswith("ours_over_")}
     print("npukv_store's TTFT over each peer's:", shown)
     print("targets:", json.dumps(data["targets"]))

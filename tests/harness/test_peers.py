@@ -118,3 +118,22 @@ def test_corrupt_damages_the_largest_data_file_in_place(tmp_path):
     assert len(data) == 1000
     assert data[offset : offset + length] == b"\x7f" * length
     assert data[:offset] == bytes(offset)
+
+
+def test_fs_tier_vs_ours_ratios_and_empty_without_ours():
+    found = {
+        "blocks": 15, "block_bytes": 1 << 19, "load_cold_s": 0.010,
+        "load_warm_s": 0.002, "disk_bytes_after_3x_more": 30 << 20,
+        "corrupt_load": "loaded without an error", "corrupt_bytes_differ": True,
+        "ours": {
+            "load_cold_s": 0.005, "load_warm_s": 0.004, "capacity_bytes": 15 << 19,
+            "disk_bytes_after_3x_more": 8 << 20, "corrupt_blocks_refused": 14,
+            "corrupt_blocks_loaded": 1, "corrupt_loaded_equal": True,
+        },
+    }  # fmt: skip
+    got = peers.fs_tier_vs_ours(found)
+    assert got["ours_over_fs_cold"] == 0.5
+    assert got["ours_over_fs_warm"] == 2.0
+    assert got["fs_disk_mib_after_3x"] == 30.0
+    assert "damaged bytes loaded" in got["fs_corrupt"]
+    assert peers.fs_tier_vs_ours({"error": "x"}) == {}
