@@ -60,8 +60,8 @@ def fingerprint(*groups) -> list[bytes]:
     return a23.fingerprints(config_of(*groups))
 
 
-def through_a_worker(tmp_path, config, make, groups=(0,)) -> None:
-    a23.worker_round_trip(tmp_path, config, make, SOURCE, TARGET, groups)
+def through_a_worker(tmp_path, config, make, groups=(0,), checked=None) -> None:
+    a23.worker_round_trip(tmp_path, config, make, SOURCE, TARGET, groups, checked)
 
 
 # -- GQA: K and V interleaved in one allocation ---------------------------------------
@@ -217,6 +217,27 @@ def test_one_backing_tensor_for_a_hybrid():
     caches = {n: r.value for n, r in {**attn, **states}.items()}
     layouts = {n: page_layout(n, caches, NB, rows[n]) for n in caches}
     a30.ring_round_trip(states, layouts, [2, 8], [11, 0])
+
+
+def test_a_hybrid_backing_tensor_through_a_worker(tmp_path):
+    """The same shared buffer through real workers on a fake NPU: the
+    attention group's blocks saved and loaded byte-exact, the Mamba layers
+    (registered in the same bytes) untouched."""
+    padded = 2 * BS * HEADS * HEAD * 2 + 96
+    attn, states = hybrid_backing(0, padded)
+    mamba = MambaSpec(
+        block_size=BS, shapes=(CONV, SSM), dtypes=(torch.float32,) * 2,
+        page_size_padded=padded, mamba_cache_mode="align",
+    )  # fmt: skip
+    config = config_of(
+        (list(attn), gqa_spec(page_size_padded=padded)), (list(states), mamba)
+    )
+
+    def make(seed):
+        attention, recurrent = hybrid_backing(seed, padded)
+        return {**attention, **recurrent}
+
+    through_a_worker(tmp_path, config, make, checked=set(attn))
 
 
 def test_a_padded_page_keeps_the_unpadded_keys():
