@@ -17,21 +17,38 @@ loaded blocks may change.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1 import kv_cache_interface
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+from vllm.v1.kv_cache_interface import MambaSpec
 
 from npukv_store.connector.namespace import engine_namespaces
 from npukv_store.connector.worker.pages import LayoutError, describe_layer, page_layout
-from npukv_store.hashing import namespace_fingerprint
 from tests.support import ascend as a23
 from tests.support import ascend030 as a30
-from tests.support.ascend import FakeNpuBackend, ascend_mla, make_worker
+from tests.support.ascend import FakeNpuBackend, make_worker
+from tests.support.ascend030_specs import (
+    BS,
+    HEAD,
+    HEADS,
+    LAYERS,
+    LORA,
+    MX_BS,
+    MX_DIM,
+    MX_HEADS,
+    NB,
+    ROPE,
+    SOURCE,
+    TARGET,
+    config_of,
+    fingerprint,
+    gqa_spec,
+    mxfp_spec,
+    packed_mla,
+)
 from tests.support.connector import settings as store_settings
 
 # vllm-ascend 0.30 runs on vLLM 0.30: its specs' fields (page_size_padded,
@@ -40,24 +57,6 @@ pytestmark = pytest.mark.skipif(
     not hasattr(kv_cache_interface, "KVQuantMode"),
     reason="vLLM before 0.30 has none of the spec fields vllm-ascend 0.30 sets",
 )
-KVQuantMode = getattr(kv_cache_interface, "KVQuantMode", None)
-NB = 12
-BS, HEADS, HEAD = 16, 2, 8
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
-SOURCE, TARGET = [2, 9, 5], [10, 0, 7]
-
-
-def gqa_spec(**kw) -> FullAttentionSpec:
-    base = dict(block_size=BS, num_kv_heads=HEADS, head_size=HEAD)
-    return FullAttentionSpec(**{"dtype": torch.bfloat16, **base, **kw})
-
-
-def config_of(*groups):
-    return a23.config_of(*groups, num_blocks=NB)
-
-
-def fingerprint(*groups) -> list[bytes]:
-    return a23.fingerprints(config_of(*groups))
 
 
 def through_a_worker(tmp_path, config, make, groups=(0,), checked=None) -> None:
@@ -250,18 +249,6 @@ def test_a_padded_page_keeps_the_unpadded_keys():
 
 # -- C8-MXFP: FP8 K/V with E8M0 scales in one packet per block ------------------------
 
-MX_BS, MX_HEADS, MX_DIM = 64, 2, 64
-
-
-def mxfp_spec(**kw) -> FullAttentionSpec:
-    """mxfp_cache_spec (attention_c8_mxfp.py:181-192): FP8, and the scales
-    budgeted through state_content_bytes."""
-    content = 2 * MX_DIM + 2 * MX_DIM // a30.MXFP_GROUP
-    return FullAttentionSpec(
-        block_size=MX_BS, num_kv_heads=MX_HEADS, head_size=MX_DIM,
-        dtype=torch.float8_e4m3fn, state_content_bytes=content, **kw,
-    )  # fmt: skip
-
 
 def mxfp_layer(seed: int, pitch: int) -> a30.Registration:
     owner, raw = a30.aligned_int8(NB * pitch, seed)
@@ -316,24 +303,6 @@ def test_per_layer_dtypes_and_page_sizes_through_a_worker(tmp_path):
 
 
 # -- C8 and INT4 latents with their scales; page-strided MLA ---------------------------
-
-LORA, ROPE, TILE = 64, 16, 32  # kv_lora_rank, qk_rope_head_dim, SFA QSFA tile
-
-
-def packed_mla(form: str, **kw) -> Any:
-    """The 0.30 spec of an SFA main cache (model_runner_v1.py:6186-6235):
-    one int8 slot per token, C8 (int8 nope, bf16 rope, fp32 tile scales) or
-    TurboQuant (INT4 nope two per byte, bf16 rope, one fp16 scale)."""
-    if form == "c8":
-        head = a30.c8_packed_head_bytes(LORA, ROPE, TILE)
-        kw = {"cache_sparse_sfa_c8": True, **kw}
-    else:
-        head = a30.tq4_slot_bytes(LORA, ROPE)
-        kw = {"cache_sparse_sfa_turboquant": True, **kw}
-    fields = {"head_size": head, **kw}  # a test may force one slot size
-    return a23.AscendMLAAttentionSpec030(
-        block_size=BS, num_kv_heads=1, dtype=torch.int8, **fields
-    )
 
 
 @pytest.mark.parametrize("form", ["c8", "tq4"])
@@ -472,154 +441,3 @@ def test_model_runner_v2_dict_through_a_worker(tmp_path):
     assert [lay.layout.page_bytes for lay in worker.layers] == [unpadded] * 3
     worker.close()
     through_a_worker(tmp_path, config, make)
-
-
-# -- the namespace covers the format ---------------------------------------------------
-
-
-def li_c8(**kw):
-    """vllm-ascend 0.23's served DSA form with a C8 indexer key and its scale
-    (tests/support/ascend.py; test_dsa_indexer.py)."""
-    return ascend_mla(
-        head_size=a23.NOPE + a23.ROPE + 12, sparse_head_dim=(a23.NOPE, a23.ROPE, 12),
-        cache_sparse_li_c8=True, **kw,
-    )  # fmt: skip
-
-
-def by_layer(*specs):
-    return a23.per_layer(dict(zip(LAYERS[: len(specs)], specs, strict=True)))
-
-
-#: built when a test runs (vLLM 0.23 has not the fields to build them)
-FORMATS = {
-    "kv dtype (bf16 -> int8 C8)": lambda: (
-        gqa_spec(),
-        gqa_spec(dtype=torch.int8, head_size=2 * HEAD),
-    ),
-    "kv quant mode": lambda: (
-        gqa_spec(dtype=torch.int8),
-        gqa_spec(dtype=torch.int8, kv_quant_mode=KVQuantMode.INT8_PER_TOKEN_HEAD),
-    ),
-    "C8 against INT4 packing": lambda: (
-        packed_mla("c8", head_size=64),
-        packed_mla("tq4", head_size=64),
-    ),
-    "scale dtype (fp16 -> bf16)": lambda: (
-        li_c8(),
-        li_c8(c8_k_scale_cache_dtype=torch.bfloat16),
-    ),
-    "C8 key dtype (int8 -> fp8)": lambda: (
-        li_c8(),
-        li_c8(c8_k_cache_dtype=torch.float8_e4m3fn),
-    ),
-    "C8-MXFP against plain FP8": lambda: (
-        mxfp_spec(),
-        FullAttentionSpec(
-            block_size=MX_BS,
-            num_kv_heads=MX_HEADS,
-            head_size=66,
-            dtype=torch.float8_e4m3fn,
-        ),
-    ),
-    "K/V split": lambda: (gqa_spec(), gqa_spec(head_size=12, head_size_v=4)),
-    "per-layer dtypes": lambda: (
-        by_layer(gqa_spec(dtype=torch.int8, head_size=16), gqa_spec()),
-        by_layer(gqa_spec(), gqa_spec(dtype=torch.int8, head_size=16)),
-    ),
-}
-
-
-@pytest.mark.parametrize("what", sorted(FORMATS))
-def test_a_changed_format_of_the_same_page_size_changes_the_namespace(what):
-    """Each pair stores pages of the same size whose bytes mean different
-    things: a server whose KV format changed must miss, not load old bytes."""
-    before, after = FORMATS[what]()
-    layers = LAYERS[:2] if what == "per-layer dtypes" else LAYERS
-    engines = [
-        engine_namespaces(*config_of((layers, s)), store_settings(Path("/nonexistent")))
-        for s in (before, after)
-    ]
-    rows = [[lay.row_bytes for lay in e.specs[0][0].layers] for e in engines]
-    assert rows[0] == rows[1]  # the same page sizes: only the format differs
-    assert fingerprint((layers, before)) != fingerprint((layers, after))
-
-
-def test_the_physical_layout_name_is_in_the_namespace():
-    """vLLM's KV cache layout (the page's stride order on 0.32+) was already
-    covered; it stays."""
-    plain = config_of((LAYERS, gqa_spec()))
-    other = config_of((LAYERS, gqa_spec()))
-    other[1].kv_cache_layout = "LBNHC"
-    prints = [
-        namespace_fingerprint(
-            engine_namespaces(*c, store_settings(Path("/nonexistent"))).specs[0][0]
-        )
-        for c in (plain, other)
-    ]
-    assert prints[0] != prints[1]
-
-
-def test_plain_engines_keep_their_keys():
-    """No new field appears for plain KV (and a 0.23-era plain MLA spec), so
-    the fingerprints of existing caches are what they were."""
-    import vllm
-
-    minor = ".".join(vllm.__version__.split(".")[:2])
-    engine = engine_namespaces(
-        *config_of((LAYERS, gqa_spec())), store_settings(Path("/nonexistent"))
-    )
-    assert engine.specs[0][0].extra == (
-        f"platform=cpu;layout=LBHNC;vllm={minor};user=;groups=1;group=0;"
-        "kind=full;tail=0;spec=FullAttentionSpec"
-    )
-    mla = a23.AscendMLAAttentionSpec030(
-        block_size=BS, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.bfloat16
-    )
-    extra = (
-        engine_namespaces(
-            *config_of((LAYERS, mla)), store_settings(Path("/nonexistent"))
-        )
-        .specs[0][0]
-        .extra
-    )
-    assert extra.endswith("spec=AscendMLAAttentionSpec")
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    forms=st.lists(
-        st.tuples(
-            st.booleans(),
-            st.sampled_from([torch.float16, torch.bfloat16]),
-            st.sampled_from([torch.int8, torch.float8_e4m3fn]),
-            st.sampled_from(["c8", "tq4"]),
-        ),
-        min_size=2,
-        max_size=2,
-    )
-)
-def test_namespaces_differ_exactly_when_formats_differ(forms):
-    """Random C8 indexers (on or off, their scale and key dtypes, all of one
-    size) and packed latents (C8 or INT4, forced to one slot size): two
-    engines share a namespace if and only if their formats are the same."""
-
-    def key(c8, scale, key_dtype, packing):
-        return (c8, scale, key_dtype) if c8 else (c8,), packing
-
-    prints = []
-    for c8, scale, key_dtype, packing in forms:
-        indexer = (
-            li_c8(c8_k_scale_cache_dtype=scale, c8_k_cache_dtype=key_dtype)
-            if c8
-            else ascend_mla(
-                head_size=a23.NOPE + a23.ROPE + 12,
-                sparse_head_dim=(a23.NOPE, a23.ROPE, 12),
-            )
-        )
-        latent = packed_mla(packing, head_size=64)
-        config = config_of((LAYERS[:1], indexer), (LAYERS[1:], latent))
-        config[0].model_config.use_mla = True
-        engine = engine_namespaces(*config, store_settings(Path("/nonexistent")))
-        prints.append([namespace_fingerprint(spec) for spec in engine.specs[0]])
-    same = [prints[0][g] == prints[1][g] for g in (0, 1)]
-    assert same == [key(*forms[0])[g] == key(*forms[1])[g] for g in (0, 1)]
