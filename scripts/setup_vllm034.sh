@@ -9,8 +9,11 @@
 # files, the editable npukv_store among them, apply too). `import vllm` finds
 # 0.34 first; torch 2.13 (CPU), pytest and vLLM's other requirements come from
 # .venv, as 0.32 pins them, which is what importing vLLM's connector API, KV
-# cache specs and metrics needs. 30 s instead of the 3.5 min of a venv filled
-# from PyPI.
+# cache specs, scheduler and metrics needs. 0.34's Requires-Dist asks more of
+# a few (huggingface_hub>=2.0, filelock>=4.2.4, pillow>=13: .venv's meet
+# them), and for orjson (the OpenAI server's) and CUDA kernels (flashinfer,
+# tilelang, cutlass-dsl, ...), which no import here reaches. 30 s instead of
+# the 3.5 min of a venv filled from PyPI.
 PY034=.venv-vllm034/bin/python
 if [ ! -x "$PY034" ]; then
     "${PYTHON:-python3}" -m venv .venv-vllm034
