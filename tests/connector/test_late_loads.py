@@ -154,3 +154,23 @@ def test_a_step_without_synchronous_loads_leaves_the_late_start(tmp_path):
     assert meta.loads == []
     assert output.has_sync_kv_loads is False
     side.close()
+
+
+# -- errors asked for before wait_for_save (a speculator's deferred finalize) ---------
+
+
+def test_layerwise_load_errors_reach_vllm_before_wait_for_save(tmp_path):
+    """With a speculator, vLLM 0.30+ collects get_block_ids_with_load_errors
+    after the target forward and before wait_for_save (defer_finalize): the
+    failed blocks of the layers the forward waited on are reported then, with
+    the step's output, and not again after wait_for_save."""
+    _stored(tmp_path)
+    loader = worker_for(tmp_path, cpu_caches(seed=2), layerwise="on")
+    missing = b"\x77" * 16
+    loader.bind(NPUKVMetadata(loads=[transfer([*KEYS[:2], missing], DST_IDS)]))
+    loader.start_load()
+    _forward(loader)
+    assert loader.take_load_errors() == {DST_IDS[2]}  # before wait_for_save
+    loader.finish_step()
+    assert loader.take_load_errors() == set()  # reported once
+    loader.close()

@@ -63,6 +63,8 @@ class LoadJob:
     done: list[Any]  # per layer: the H2D copy's event, None until issued
     waited: list[bool]  # per layer: the compute stream was made to wait on it
     errors: set[int] = field(default_factory=set)  # block ids not loaded
+    #: errors already handed to vLLM before the job settled (StepLoads.take_errors)
+    reported: set[int] = field(default_factory=set)
     #: layers the forward has reached (wait_layer) or passed; layer j is issued
     #: once j < consumed + depth. Bulk and asynchronous jobs are never gated.
     consumed: int = _UNGATED

@@ -220,7 +220,7 @@ class StepLoads:
                 "npukv_store: a layer's load hook was skipped; falling back to "
                 "layerwise=off (this step's loaded blocks are recomputed)"
             )
-        self._errors.update(job.errors)
+        self._errors.update(job.errors - job.reported)
         self._count(job)
 
     def _count(self, job: LoadJob) -> None:
@@ -247,6 +247,22 @@ class StepLoads:
             self._costs.load_done(job.read_before, seconds)
 
     def take_errors(self) -> set[int]:
+        """Block ids that failed to load since the last call.
+
+        With a speculator vLLM asks before wait_for_save (``defer_finalize``:
+        the draft model runs in between), while this step's layerwise job is
+        still unsettled. The errors of the layers the forward waited on are
+        known by then (a layer's failure is published with its copy), and
+        they must reach vLLM with this step's output, before its tokens are
+        sampled: they are handed over now, and settling adds only the rest
+        (a draft layer's read, or a skipped hook).
+        """
+        job = self.job
+        if job is not None:
+            with job.cond:
+                early = job.errors - job.reported
+                job.reported |= early
+            self._errors |= early
         errors, self._errors = self._errors, set()
         return errors
 
