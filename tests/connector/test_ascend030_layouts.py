@@ -22,7 +22,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm.v1 import kv_cache_interface
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from npukv_store.connector.namespace import engine_namespaces
@@ -43,6 +42,7 @@ from tests.support.ascend030_specs import (
     ROPE,
     SOURCE,
     TARGET,
+    VLLM_HAS_030_SPECS,
     config_of,
     fingerprint,
     gqa_spec,
@@ -54,7 +54,7 @@ from tests.support.connector import settings as store_settings
 # vllm-ascend 0.30 runs on vLLM 0.30: its specs' fields (page_size_padded,
 # state_content_bytes, kv_quant_mode) are not in vLLM 0.23's
 pytestmark = pytest.mark.skipif(
-    not hasattr(kv_cache_interface, "KVQuantMode"),
+    not VLLM_HAS_030_SPECS,
     reason="vLLM before 0.30 has none of the spec fields vllm-ascend 0.30 sets",
 )
 

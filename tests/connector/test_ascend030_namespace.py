@@ -27,6 +27,7 @@ from tests.support.ascend030_specs import (
     MX_BS,
     MX_HEADS,
     ROPE,
+    VLLM_HAS_030_SPECS,
     KVQuantMode,
     by_layer,
     config_of,
@@ -39,7 +40,7 @@ from tests.support.ascend030_specs import (
 from tests.support.connector import settings as store_settings
 
 pytestmark = pytest.mark.skipif(
-    KVQuantMode is None,
+    not VLLM_HAS_030_SPECS,
     reason="vLLM before 0.30 has none of the spec fields vllm-ascend 0.30 sets",
 )
 
@@ -117,13 +118,16 @@ def test_plain_engines_keep_their_keys():
     """No new field appears for plain KV (and a 0.23-era plain MLA spec), so
     the fingerprints of existing caches are what they were."""
     import vllm
+    from vllm.platforms import current_platform
 
     minor = ".".join(vllm.__version__.split(".")[:2])
+    # "cpu" on vLLM's CPU build; "" on PyPI's CUDA wheel without a GPU
+    platform = current_platform.device_type
     engine = engine_namespaces(
         *config_of((LAYERS, gqa_spec())), store_settings(Path("/nonexistent"))
     )
     assert engine.specs[0][0].extra == (
-        f"platform=cpu;layout=LBHNC;vllm={minor};user=;groups=1;group=0;"
+        f"platform={platform};layout=LBHNC;vllm={minor};user=;groups=1;group=0;"
         "kind=full;tail=0;spec=FullAttentionSpec"
     )
     mla = a23.AscendMLAAttentionSpec030(

@@ -10,6 +10,7 @@ tests run, never at import.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -20,8 +21,12 @@ from tests.support import ascend as a23
 from tests.support import ascend030 as a30
 from tests.support.ascend import ascend_mla
 
-#: vLLM 0.30+ (None before: the tests skip there)
 KVQuantMode = getattr(kv_cache_interface, "KVQuantMode", None)
+#: vllm-ascend 0.30 runs on vLLM 0.30, whose specs have the fields its
+#: layouts set (state_content_bytes: C8-MXFP's scales); vLLM 0.23 has not
+VLLM_HAS_030_SPECS = KVQuantMode is not None and "state_content_bytes" in {
+    f.name for f in dataclasses.fields(FullAttentionSpec)
+}
 NB = 12
 BS, HEADS, HEAD = 16, 2, 8
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
