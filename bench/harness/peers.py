@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -305,26 +306,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 # -- the child: vLLM's fs tier's file I/O, driven directly -----------------------------
 
 
+def _drop(path: Path) -> None:
+    from bench.vllm_runs import drop_page_cache
+
+    drop_page_cache(path)
+
+
 def fs_tier(directory: Path, blocks: int, block_bytes: int) -> dict[str, Any]:
     """vLLM's fs tier's own store and load functions (the ones its
     FileSystemTierManager queues on its thread pool) on ``blocks`` blocks of
-    ``block_bytes``: restart (a second process's load, page cache dropped by
-    the parent between: here the same bytes read back), capacity (none to
-    give: 3x the blocks written, every file stays), corruption (one block
-    file's middle overwritten: is the load refused?)."""
+    ``block_bytes``, then our KVStore on the same blocks (``ours``): a write,
+    a cold read (page cache dropped) and a warm one by a fresh reader (a
+    restart), capacity (the fs tier takes none: 3 more rounds written, every
+    file stays; ours: capacity one round), corruption (one block file's
+    middle overwritten in place: is the load refused?)."""
     import mmap
     import random
 
     from vllm.v1.kv_offload.tiering.fs import io as fsio
 
-    directory.mkdir(parents=True, exist_ok=True)
-    use_direct = fsio.probe_o_direct(str(directory))
+    fs_dir = directory / "vllm_fs"
+    fs_dir.mkdir(parents=True, exist_ok=True)
+    use_direct = fsio.probe_o_direct(str(fs_dir))
     rng = random.Random(5)
     source = mmap.mmap(-1, blocks * block_bytes)
     source.write(rng.randbytes(blocks * block_bytes))
     view = memoryview(source)
     offsets = [i * block_bytes for i in range(blocks)]
-    paths = [str(directory / f"{i:04x}" / f"block{i}.bin") for i in range(blocks)]
+    paths = [str(fs_dir / f"{i:04x}" / f"block{i}.bin") for i in range(blocks)]
     began = time.perf_counter()
     fsio.batch_store_block(paths, view, offsets, block_bytes, use_direct)
     store_s = time.perf_counter() - began
@@ -334,10 +343,17 @@ def fs_tier(directory: Path, blocks: int, block_bytes: int) -> dict[str, Any]:
         "fsync_calls_in_io_py": 0,
     }  # fmt: skip
     target = mmap.mmap(-1, blocks * block_bytes)
-    began = time.perf_counter()
-    fsio.batch_load_block(paths, memoryview(target), offsets, block_bytes, use_direct)
-    found["load_s"] = time.perf_counter() - began
+    for kind in ("cold", "warm"):
+        if kind == "cold":
+            _drop(fs_dir)
+        began = time.perf_counter()
+        fsio.batch_load_block(
+            paths, memoryview(target), offsets, block_bytes, use_direct
+        )
+        found[f"load_{kind}_s"] = time.perf_counter() - began
+    found["load_s"] = found["load_cold_s"]
     found["load_equal"] = target[:] == source[:]
+    found["disk_bytes"] = disk_bytes(fs_dir)
     # corruption: the middle of block 0 overwritten, size unchanged
     corrupt(Path(paths[0]))
     target2 = mmap.mmap(-1, blocks * block_bytes)
@@ -351,17 +367,80 @@ def fs_tier(directory: Path, blocks: int, block_bytes: int) -> dict[str, Any]:
         found["corrupt_load"] = f"refused: {exc}"
         found["corrupt_bytes_differ"] = False
     # capacity: the tier takes none; 3 more rounds of new blocks, all kept
-    before = disk_bytes(directory)
+    before = disk_bytes(fs_dir)
     for round_ in range(3):
-        more = [str(directory / f"r{round_}" / f"block{i}.bin") for i in range(blocks)]
+        more = [str(fs_dir / f"r{round_}" / f"block{i}.bin") for i in range(blocks)]
         fsio.batch_store_block(more, view, offsets, block_bytes, use_direct)
     found["disk_bytes_one_round"] = before
-    found["disk_bytes_after_3x_more"] = disk_bytes(directory)
+    found["disk_bytes_after_3x_more"] = disk_bytes(fs_dir)
     io_source = Path(fsio.__file__).read_text()
     found["fsync_calls_in_io_py"] = io_source.count("fsync")
-    found["checksum_in_io_py"] = any(
-        word in io_source for word in ("checksum", "crc", "xxh", "sha")
+    found["checksum_in_io_py"] = bool(
+        re.search(r"checksum|crc32|xxh|hashlib", io_source)
     )
+    native = sorted(Path(fsio.__file__).parents[4].glob("fs_io_C*.so"))
+    found["fs_io_C"] = native[0].name if native else None
+    if native:  # its imported symbols: no fsync, no fdatasync
+        symbols = native[0].read_bytes()
+        found["fs_io_C_imports_fsync"] = b"fsync" in symbols
+    found["ours"] = ours_direct(directory / "ours", source, blocks, block_bytes)
+    return found
+
+
+def ours_direct(
+    directory: Path, source: Any, blocks: int, block_bytes: int
+) -> dict[str, Any]:
+    """Our KVStore on the fs tier's blocks: one namespace of one U8 part of
+    ``block_bytes`` per block, 64 tokens a block, ``capacity`` one round."""
+    import numpy as np
+
+    from npukv_store import KVStore, LayerSpec, NamespaceSpec, PartSpec, StoreConfig
+
+    spec = NamespaceSpec(
+        model="bench-peers-fs", block_size=64, kv_dtype="U8",
+        layers=(LayerSpec("l0", (PartSpec("kv", "U8", (block_bytes,)),)),),
+    )  # fmt: skip
+    capacity = blocks * block_bytes  # one round: 3 more rounds are 3x it
+    config = StoreConfig(cache_dir=str(directory), capacity=capacity)
+    data = np.frombuffer(source, dtype=np.uint8).reshape(blocks, block_bytes)
+    found: dict[str, Any] = {"capacity_bytes": capacity}
+    store = KVStore(config, spec)
+    keys = store.keys_for(np.arange(blocks * 64))
+    began = time.perf_counter()
+    result = store.put(keys, {"l0.kv": data})
+    found["store_s"] = time.perf_counter() - began
+    found["stored"] = result.stored
+    store.close()
+    out = np.zeros_like(data)
+    for kind in ("cold", "warm"):
+        if kind == "cold":
+            _drop(directory)
+        reader = KVStore(config, spec)  # a fresh reader: a restart
+        began = time.perf_counter()
+        ok = reader.read(keys, {"l0.kv": out})
+        found[f"load_{kind}_s"] = time.perf_counter() - began
+        reader.close()
+    found["load_equal"] = bool(all(ok)) and bool((out == data).all())
+    found["disk_bytes"] = disk_bytes(directory)
+    damaged = largest_data_file(directory)
+    assert damaged is not None
+    corrupt(damaged)
+    _drop(directory)
+    reader = KVStore(config, spec)
+    out2 = np.zeros_like(data)
+    ok2 = reader.read(keys, {"l0.kv": out2})
+    reader.close()
+    found["corrupt_blocks_refused"] = ok2.count(False)
+    found["corrupt_blocks_loaded"] = ok2.count(True)
+    found["corrupt_loaded_equal"] = bool(
+        all((out2[i] == data[i]).all() for i, hit in enumerate(ok2) if hit)
+    )
+    store = KVStore(config, spec)
+    for round_ in range(3):
+        more = store.keys_for(np.arange(blocks * 64) + (round_ + 1) * 1_000_003)
+        store.put(more, {"l0.kv": data})
+    store.close()
+    found["disk_bytes_after_3x_more"] = disk_bytes(directory)
     return found
 
 
