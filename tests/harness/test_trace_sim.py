@@ -49,9 +49,9 @@ def traces(draw, max_requests=30, max_extend=5):
     return chains
 
 
-def parents(trace):
+def parents(trace: list[list[int]]) -> dict[int, int | None]:
     """block -> its parent (None for a root)."""
-    out = {}
+    out: dict[int, int | None] = {}
     for chain in trace:
         for j, block in enumerate(chain):
             out[block] = chain[j - 1] if j else None
@@ -66,13 +66,13 @@ def test_opt_hits_at_least_as_many_as_lru_and_second_sight(trace, capacity):
     assert opt.hit_blocks >= simulate_second_sight(trace, capacity).hit_blocks
 
 
-def brute_force(trace, capacity):
+def brute_force(trace: list[list[int]], capacity: int) -> int:
     """The most prefix hits any offline policy gets: after each request the
     cache may become any set of at most ``capacity`` blocks out of what it
     held and what the request brought."""
-    best = {frozenset(): 0}
+    best: dict[frozenset[int], int] = {frozenset(): 0}
     for chain in trace:
-        after: dict[frozenset, int] = {}
+        after: dict[frozenset[int], int] = {}
         for held, score in best.items():
             hit = 0
             while hit < len(chain) and chain[hit] in held:
@@ -96,7 +96,9 @@ def test_opt_is_the_optimum_on_tiny_traces(trace, capacity):
     assert simulate_opt(trace, capacity).hit_blocks == brute_force(trace, capacity)
 
 
-def naive_lru(trace, capacity, second_sight=False):
+def naive_lru(
+    trace: list[list[int]], capacity: int, second_sight: bool = False
+) -> list[tuple[int, int]]:
     """Block-level LRU the slow way: a use stamp per block (a request uses
     its chain deepest first, its root last), the victim the least stamp
     outside the request's hit; per request its hit and blocks written.
@@ -189,7 +191,7 @@ def test_generator_single_use_share_lands_near_the_target(target):
 
 def test_generator_chains_share_prefixes_and_round_trip(tmp_path):
     trace = trace_gen.generate(trace_gen.GenParams(requests=400, seed=3))
-    parent = {}
+    parent: dict[int, int | None] = {}
     for r in trace:  # a block id implies its prefix: one parent per block
         for j, block in enumerate(r.hash_ids):
             want = r.hash_ids[j - 1] if j else None
