@@ -209,3 +209,23 @@ def test_read_trace_names_the_bad_line(tmp_path):
     path.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n{"timestamp": 1}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2: .*expected a JSON object"):
         trace_gen.read_trace(path)
+
+
+def test_the_store_replay_hits_what_an_unbounded_cache_hits(tmp_path):
+    """bench/trace.py's replay through KVStore, every read verified: with room
+    for every block, the store hits each request's stored prefix exactly."""
+    from bench import trace as bench_trace
+
+    trace = trace_gen.generate(trace_gen.GenParams(requests=150, seed=5))
+    rows = [(r.hash_ids, r.input_length) for r in trace]
+    chains = [list(r.hash_ids) for r in trace]
+    got = bench_trace._replay(
+        str(tmp_path / "store"), 1 << 30, 10**6, 0.0, "never", rows, 0, 1, 0.0
+    )
+    want = simulate_lru(chains, 10**6, [r.input_length for r in trace])
+    assert got["verify_failures"] == 0
+    assert got["read_misses"] == 0
+    assert got["hit_blocks"] == want.hit_blocks > 0
+    assert got["hit_tokens"] == want.hit_tokens
+    assert got["written_blocks"] == want.written_blocks
+    assert got["refused_blocks"] == got["stranded_blocks"] == 0
