@@ -73,12 +73,14 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
+from dataclasses import replace  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 from bench.harness.trace_gen import (  # noqa: E402
     GenParams,
+    calibrate,
     generate,
     read_trace,
     trace_stats,
@@ -322,13 +324,15 @@ def _load(args: argparse.Namespace) -> tuple[list[tuple[tuple[int, ...], int]], 
         requests = read_trace(args.trace)
         source = args.trace
     else:
-        params = GenParams(
-            requests=6_000 if args.quick else args.requests,
-            rate=args.rate,
-            single_use=args.single_use,
-            seed=args.seed,
+        params = calibrate(
+            GenParams(
+                requests=6_000 if args.quick else args.requests,
+                rate=args.rate,
+                single_use=args.single_use,
+                seed=args.seed,
+            )
         )
-        requests = generate(params)
+        requests = generate(replace(params, single_use=None))
         source = f"generated: {params}"
     return [(r.hash_ids, r.input_length) for r in requests], source
 

@@ -11,8 +11,9 @@ so it is used once, as in the published traces.
     Request         one request: timestamp (ms), input_length,
                     output_length, hash_ids (Mooncake's keys, ``as_json()``)
     GenParams       the knobs (defaults: calibrated, see below)
-    generate()      the requests, in arrival order, for ``single_use`` found
-                    by bisection on the share of single-turn sessions
+    calibrate()     the share of single-turn sessions that gives
+                    ``single_use`` (bisection)
+    generate()      the requests, in arrival order
     trace_stats()   single-use share, reuse distances (in requests), chain
                     lengths of any trace
     read_trace()    a Mooncake JSON-lines file
@@ -176,26 +177,32 @@ def _generate(p: GenParams) -> list[Request]:
     ]
 
 
-def generate(p: GenParams) -> list[Request]:
-    """The trace of ``p``: where ``p.single_use`` is set, the single-turn
-    share is bisected (12 steps) to the one whose trace's single-use share is
-    nearest it; where no share reaches it, the nearest end (0 or 1)."""
+def calibrate(p: GenParams) -> GenParams:
+    """``p`` with ``single_turn`` set where ``p.single_use`` asks: bisected
+    (12 steps) to the share whose trace's single-use share is nearest it;
+    where no share reaches it, the nearest end (0 or 1). ``single_use``
+    None: ``p`` as it is."""
     if p.single_use is None:
-        return _generate(p)
+        return p
     low, high = 0.0, 1.0
-    best: tuple[float, list[Request]] | None = None
+    best: tuple[float, float] | None = None
     for _ in range(12):
         mid = (low + high) / 2
         trace = _generate(replace(p, single_turn=mid))
         share = single_use_share(r.hash_ids for r in trace)
         if best is None or abs(share - p.single_use) < best[0]:
-            best = (abs(share - p.single_use), trace)
+            best = (abs(share - p.single_use), mid)
         if share < p.single_use:
             low = mid
         else:
             high = mid
     assert best is not None
-    return best[1]
+    return replace(p, single_turn=best[1])
+
+
+def generate(p: GenParams) -> list[Request]:
+    """The trace of ``calibrate(p)``."""
+    return _generate(calibrate(p))
 
 
 def single_use_share(chains: Iterable[Sequence[int]]) -> float:
