@@ -66,7 +66,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -745,6 +744,3 @@ def print_table(data: dict[str, Any]) -> None:
     shown = {k: v for k, v in data.items() if k.startswith("ours_over_")}
     print("npukv_store's TTFT over each peer's:", shown)
     print("targets:", json.dumps(data["targets"]))
-
-
-_: Callable[..., Any] = run  # (the entry point, found by bench/__main__.py)
