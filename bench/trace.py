@@ -29,7 +29,7 @@ synthetic_trace.jsonl under FAST25-release/traces in github.com/kvcache-ai/
 Mooncake; nothing is downloaded here), else the generator of
 bench/harness/trace_gen.py (multi-turn conversations and agent loops
 calibrated to the conversation trace; ``--requests``, ``--rate``,
-``--single-use``, ``--seed``). ``--quick``: 6,000 generated requests, under
+``--single-use``, ``--seed``). ``--quick``: 4,000 generated requests, under
 two minutes. ``--procs N``: N processes on one directory, request i replayed
 by process i mod N, each in order.
 
@@ -326,7 +326,7 @@ def _load(args: argparse.Namespace) -> tuple[list[tuple[tuple[int, ...], int]], 
     else:
         params = calibrate(
             GenParams(
-                requests=6_000 if args.quick else args.requests,
+                requests=4_000 if args.quick else args.requests,
                 rate=args.rate,
                 single_use=args.single_use,
                 seed=args.seed,
