@@ -152,10 +152,10 @@ def _off_worker(connector: NPUKVStoreConnector) -> None:
 
 @needs_failed_recving
 @pytest.mark.parametrize(
-    "fault", ["missing blocks", "worker off", "results fault", "asleep"]
+    "failure", ["missing blocks", "worker off", "results fault", "asleep"]
 )
 def test_a_failed_load_of_several_groups_reaches_vllm_as_failed_recving(
-    tmp_path, fault, caplog
+    tmp_path, failure, caplog
 ):
     """Whatever fails (the store lacks the blocks, the worker is off, its
     results cannot be collected, vLLM put the KV cache to sleep), the request
@@ -165,13 +165,13 @@ def test_a_failed_load_of_several_groups_reaches_vllm_as_failed_recving(
     from vllm.v1.core.sched.scheduler import Scheduler
 
     connector = _worker(tmp_path, _hybrid_caches(1))
-    if fault == "worker off":
+    if failure == "worker off":
         _off_worker(connector)
     with caplog.at_level(logging.CRITICAL, logger="npukv_store"):
-        if fault == "asleep":
+        if failure == "asleep":
             connector.unregister_kv_caches()
         _step(connector, _async_loads("r"))
-        if fault == "results fault":
+        if failure == "results fault":
             _stop_in_results(connector)
         output = _output_when_received(connector, "r")
     assert output.finished_recving == {"r"}
