@@ -24,8 +24,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from npukv_store.connector.worker.pages import LayerLayout, LayoutError, Segment
-from npukv_store.connector.worker.pages import _overlap as segments_overlap
+from npukv_store.connector.worker.pages import (
+    LayerLayout,
+    LayoutError,
+    Segment,
+    segments_overlap,
+)
 
 
 def refuse_shared_layers(layers: Iterable[tuple[int, LayerLayout]]) -> None:

@@ -322,7 +322,7 @@ def _drop_covered(name: str, members: list[list[Segment]]) -> list[bool]:
                 i,
             )
     for i, j in itertools.combinations([i for i, k in enumerate(keep) if k], 2):
-        if any(_overlap(a, b) for a in members[i] for b in members[j]):
+        if any(segments_overlap(a, b) for a in members[i] for b in members[j]):
             raise LayoutError(
                 f"layer {name!r}: found members [{i}] and [{j}] sharing bytes without"
                 " either lying wholly inside the others; expected disjoint tensors,"
@@ -346,7 +346,7 @@ def _covered(seg: Segment, others: list[Segment]) -> bool:
     return lo >= hi
 
 
-def _overlap(a: Segment, b: Segment) -> bool:
+def segments_overlap(a: Segment, b: Segment) -> bool:
     """Whether any block of ``a`` shares a byte with any block of ``b``."""
     a_end = a.base_ptr + (a.num_blocks - 1) * a.block_stride + a.run_bytes
     b_end = b.base_ptr + (b.num_blocks - 1) * b.block_stride + b.run_bytes
