@@ -1,12 +1,15 @@
 """The trace benchmark's simulators and generator (bench/harness/trace_sim.py,
 bench/harness/trace_gen.py): OPT is an upper bound and the optimum on tiny
 traces, LRU equals a naive reference, every cache stays prefix-closed, and
-the generator's single-use share lands where it was asked. No timing."""
+the generator's single-use share lands where it was asked; the store's
+admission rules (simulate_auto) equal a naive reference, stay under OPT and
+LRU's writes, and keep the ghost bounded. No timing."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -14,12 +17,28 @@ from hypothesis import strategies as st
 
 from bench.harness import trace_gen
 from bench.harness.trace_sim import (
+    block_key,
+    simulate,
+    simulate_auto,
     simulate_lru,
     simulate_opt,
     simulate_second_sight,
+    simulate_second_sight_bounded,
 )
+from npukv_store.store import admission
+from npukv_store.store.admission import AdmissionTuning
 
-SIMS = (simulate_lru, simulate_second_sight, simulate_opt)
+SIMS = (
+    simulate_lru,
+    simulate_second_sight,
+    simulate_opt,
+    simulate_auto,
+    simulate_second_sight_bounded,
+)
+#: a sampling rate under 1 at these capacities (shadow_blocks / capacity),
+#: small shadows and ghosts, a short window: every path of the rules runs
+SMALL = AdmissionTuning(shadow_blocks=3, ghost_per_block=1.5, margin=0.1, window=2.0)
+TUNINGS = st.sampled_from([AdmissionTuning(), SMALL])
 
 
 @st.composite
@@ -60,10 +79,12 @@ def parents(trace: list[list[int]]) -> dict[int, int | None]:
 
 @settings(max_examples=300, deadline=None)
 @given(trace=traces(), capacity=st.integers(1, 40))
-def test_opt_hits_at_least_as_many_as_lru_and_second_sight(trace, capacity):
+def test_opt_hits_at_least_as_many_as_every_other_policy(trace, capacity):
     opt = simulate_opt(trace, capacity)
-    assert opt.hit_blocks >= simulate_lru(trace, capacity).hit_blocks
-    assert opt.hit_blocks >= simulate_second_sight(trace, capacity).hit_blocks
+    for sim in SIMS[:2] + SIMS[3:]:
+        assert opt.hit_blocks >= sim(trace, capacity).hit_blocks, sim.__name__
+    for tuning in (SMALL, AdmissionTuning(margin=0.0, window=1.0)):
+        assert opt.hit_blocks >= simulate_auto(trace, capacity, None, tuning).hit_blocks
 
 
 def brute_force(trace: list[list[int]], capacity: int) -> int:
@@ -178,6 +199,130 @@ def test_ratios_are_consistent(trace, capacity):
         want += hit
         seen.update(chain)
     assert big.hit_blocks == want
+
+
+def naive_admission(
+    trace: list[list[int]], capacity: int, tuning: AdmissionTuning, policy: str
+) -> tuple[list[tuple[int, int]], int]:
+    """simulate_auto the slow way: naive_lru's stamps, the sampling and the
+    ghost in plain lists, admission.py's Shadow and rules; per request its
+    hit and blocks written, and the ghost's peak."""
+    prefix = {b: admission.key_prefix(block_key(b)) for c in trace for b in c}
+    threshold = admission.sample_threshold(capacity, tuning)
+    size = admission.shadow_capacity(capacity, tuning)
+    keys = admission.MemoryKeys
+    shadow = admission.Shadow(
+        keys(), keys(), keys(), size, math.ceil(size * tuning.ghost_per_block), tuning
+    )
+    scores = admission.Scores()
+    ghost: list[int] = []  # oldest first
+    limit_ghost = admission.ghost_capacity(capacity, tuning)
+    stamp: dict[int, tuple[int, int]] = {}
+    out, peak = [], 0
+    for i, chain in enumerate(trace):
+        for block in chain:
+            if prefix[block] < threshold:
+                shadow.ask(prefix[block], scores)
+        hit = 0
+        while hit < len(chain) and chain[hit] in stamp:
+            hit += 1
+        save = [prefix[b] for b in chain[hit : min(len(chain), capacity)]]
+        n = 0
+        if save:
+            mode = admission.choose_mode(policy, scores, 1.0, tuning)
+            n = admission.admitted_run(mode, save, ghost.__contains__)
+            ghost = [k for k in ghost if k not in save[:n]]
+            for key in save[n:]:
+                if key in ghost:
+                    ghost.remove(key)
+                ghost.append(key)
+            ghost = ghost[max(0, len(ghost) - limit_ghost) :]
+            peak = max(peak, len(ghost))
+        while len(stamp) + n > capacity:
+            victims = [b for b in stamp if b not in chain[:hit]]
+            del stamp[min(victims, key=stamp.__getitem__)]
+        for j in range(hit + n):
+            stamp[chain[j]] = (i, len(chain) - j)
+        out.append((hit, n))
+    return out, peak
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    trace=traces(),
+    capacity=st.integers(1, 40),
+    tuning=TUNINGS,
+    policy=st.sampled_from(admission.POLICIES),
+)
+def test_admission_equals_a_naive_reference(trace, capacity, tuning, policy):
+    result = simulate_auto(trace, capacity, None, tuning, policy, keep_hits=True)
+    naive, peak = naive_admission(trace, capacity, tuning, policy)
+    assert result.hits == [hit for hit, _ in naive]
+    assert result.written_blocks == sum(new for _, new in naive)
+    assert result.ghost_peak == peak <= admission.ghost_capacity(capacity, tuning)
+    offered = sum(
+        min(len(c), capacity) - h for c, h in zip(trace, result.hits, strict=True)
+    )
+    assert result.written_blocks + result.declined == max(offered, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(trace=traces(), capacity=st.integers(1, 40), tuning=TUNINGS)
+def test_admission_all_is_lru_exactly(trace, capacity, tuning):
+    lru = simulate_lru(trace, capacity, keep_hits=True)
+    got = simulate_auto(trace, capacity, None, tuning, "all", keep_hits=True)
+    assert got.hits == lru.hits
+    assert got.written_blocks == lru.written_blocks
+    assert got.declined == 0
+    assert set(got.modes) <= {"ALL"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(trace=traces(), capacity=st.integers(1, 40), tuning=TUNINGS)
+def test_second_sight_writes_only_blocks_declined_before(trace, capacity, tuning):
+    """In second sight every block written was in the ghost when its save
+    came (declined before, asked again): written <= lost hits."""
+    r = simulate_second_sight_bounded(trace, capacity, None, tuning)
+    assert r.written_blocks <= r.lost_hits
+    assert r.policy == "second_sight_bounded"
+    assert set(r.modes) <= {"SECOND_SIGHT"}
+
+
+def test_auto_writes_less_than_lru_where_blocks_are_used_once():
+    """A hot prefix reused by every request, a fresh tail each time: once
+    the shadows see the reuse, second sight wins (write-all's extra writes
+    buy nothing), and auto writes the tails no more."""
+    trace = [[0, 1, 2, 100 + i] for i in range(200)]
+    lru = simulate_lru(trace, 8)
+    auto = simulate("auto", trace, 8)
+    assert auto.hit_blocks >= lru.hit_blocks - 3
+    assert auto.written_blocks < lru.written_blocks / 8
+    assert auto.modes == {"ALL": 18, "SECOND_SIGHT": 182}
+
+
+def test_the_ghost_keeps_its_newest_declined_blocks():
+    """Every block used once: second sight declines them all; the ghost holds
+    the newest ghost_capacity (its floor, 64, here) and a block declined
+    longer ago than that is declined again when it comes back."""
+    tuning = AdmissionTuning(ghost_per_block=1.0)
+    assert admission.ghost_capacity(4, tuning) == 64
+    trace = [[3 * i, 3 * i + 1, 3 * i + 2] for i in range(100)]
+    r = simulate_second_sight_bounded(trace, 4, None, tuning)
+    assert r.written_blocks == 0
+    assert r.declined == 300
+    assert r.ghost_peak == 64
+    recent = simulate_second_sight_bounded([*trace, trace[-1]], 4, None, tuning)
+    assert recent.written_blocks == 3  # the last request's blocks: in the ghost
+    old = simulate_second_sight_bounded([*trace, trace[0]], 4, None, tuning)
+    assert old.written_blocks == 0  # the first's: dropped long ago
+    assert old.lost_hits == 0
+
+
+def test_block_key_is_the_benchmarks():
+    assert block_key(0).hex() == (
+        __import__("hashlib").blake2b(bytes(8), digest_size=16).hexdigest()
+    )
+    assert len({block_key(i) for i in range(1000)}) == 1000
 
 
 @pytest.mark.parametrize("target", [0.6, 0.76, 0.85])
