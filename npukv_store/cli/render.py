@@ -185,7 +185,7 @@ def stats_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:
         Pairs(f"npukv stats {report['cache_dir']}", rows),
         Table("namespaces", [*headers, "bytes", "dead"], table),
     ]
-    return sections + _tenant_sections(report)
+    return sections + _tenant_sections(report) + _admission_sections(report)
 
 
 def _tenant_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:
@@ -229,6 +229,78 @@ def _tenant_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:
         sections.append(
             Table(title, ["pin", "label", "tenant", "tokens", "keys", "expires"], rows)
         )
+    return sections
+
+
+#: (key, label) of the admission counters, blocks unless named bytes
+_ADMISSION_ROWS = (
+    ("admitted_blocks", "admitted blocks"),
+    ("declined_blocks", "declined blocks"),
+    ("lost_hit_blocks", "lost hits (declined, asked again)"),
+    ("wasted_write_blocks", "wasted writes (evicted unread)"),
+    ("written_bytes", "written"),
+)
+
+
+def _admission_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:
+    """The admission state and counters of ``npukv stats``, per tenant where
+    more than one tenant has counters; none while the directory has no
+    admission state (no server kept any: ``admission: all`` without a write
+    budget keeps none)."""
+    found = report.get("admission")
+    if not found:
+        return []
+    tables = found.get("tables") or {}
+    recorded = (
+        found.get("tenants")
+        or found.get("shadow_asks")
+        or any(tables.values())
+        or found.get("budget_left_bytes") is not None
+    )
+    if not recorded:
+        return []
+    rows = [
+        ("auto's choice", str(found["auto_choice"])),
+        (
+            "shadow hits",
+            f"write-all {found['shadow_hits_all']:,.1f}, second sight "
+            f"{found['shadow_hits_second_sight']:,.1f} "
+            f"of {found['shadow_asks']:,.1f} sampled asks",
+        ),
+        (
+            "ghost",
+            f"{found['ghost_blocks']:,} declined blocks remembered (shadows: "
+            f"{tables.get('shadow_all', 0):,} write-all, "
+            f"{tables.get('shadow_second_sight', 0):,} second sight, "
+            f"{tables.get('shadow_ghost', 0):,} ghost)",
+        ),
+    ]
+    if found.get("budget_left_bytes") is not None:
+        left = int(found["budget_left_bytes"])
+        rows.append(
+            (
+                "write budget left",
+                f"{exact_bytes(max(left, 0))} at {utc(found['budget_updated_ns'])}",
+            )
+        )
+    for key, label in _ADMISSION_ROWS:
+        value = int(found.get(key, 0))
+        rows.append(
+            (label, exact_bytes(value) if key == "written_bytes" else f"{value:,}")
+        )
+    sections: list[Pairs | Table] = [Pairs("admission", rows)]
+    tenants = found.get("tenants") or {}
+    if len(tenants) > 1:
+        table = [
+            [
+                name,
+                *(f"{int(entry.get(key, 0)):,}" for key, _ in _ADMISSION_ROWS[:-1]),
+                human_bytes(int(entry.get("written_bytes", 0))),
+            ]
+            for name, entry in tenants.items()
+        ]
+        headers = ["tenant", "admitted", "declined", "lost hits", "wasted", "written"]
+        sections.append(Table("admission by tenant", headers, table))
     return sections
 
 

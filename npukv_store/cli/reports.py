@@ -4,7 +4,8 @@ cache directory as the ``--json`` objects (:mod:`.render` prints them as text).
 Runs in: the ``npukv`` process; reads only (index snapshots, file headers).
 
     stats_report()     - capacity, used, live and dead bytes, namespaces,
-                         tenants, pins
+                         tenants, pins, admission
+    admission_report() - the directory's admission state and counters
     namespace_report() - one namespace: spec, layout, usage
     chunk_report()     - one chunk file: header, tensors, live rows
 """
@@ -19,9 +20,11 @@ from typing import Any
 from npukv_store.cli.pins import pin_summary
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import calibration, policy
+from npukv_store.store.admission import AdmissionTuning, Mode, Scores, choose_mode
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.format import META_CREATED_NS, META_CREATOR, ChunkHeader
 from npukv_store.store.index import Index
+from npukv_store.store.index_admission import COUNTERS as ADMISSION_COUNTERS
 from npukv_store.store.index_rows import ChunkRecord
 from npukv_store.store.pins import PinRecord, decode_pins
 
@@ -174,12 +177,57 @@ def stats_report(cdir: CacheDir, index: Index, capacity: int | None) -> dict[str
     # the disk's read speeds and the first-read route they chose; None: the
     # constants' route (no calibration for this device)
     report["read_calibration"] = calibration.as_stats(cdir)
+    report["admission"] = admission_report(index)
     # Deprecated aliases, kept for one release (scripts/demo_vllm.py and
     # operators' scripts read them): use used_bytes, chunks and blocks.
     report["total_bytes"] = total.bytes
     report["num_chunks"] = total.chunks
     report["num_blocks"] = total.blocks
     return report
+
+
+#: what ``auto`` would write now, by the mode it chooses
+_MODE_NAMES = {Mode.ALL: "write-all", Mode.SECOND_SIGHT: "second sight"}
+
+
+def admission_report(index: Index) -> dict[str, Any]:
+    """The directory's admission state (``Index.admission_report``) as
+    ``npukv stats`` shows it: what ``auto`` would choose now from the
+    shadows' scores (the index does not record the servers' ``admission``
+    setting), the scores, the ghost's size, the write budget left (None
+    when no budget was recorded), and the counters of every process: the
+    directory's totals and per tenant (each with every counter, 0 included).
+    """
+    state: dict[str, Any] = dict(index.admission_report())
+    scores = Scores(
+        float(state["shadow_hits_all"]),
+        float(state["shadow_hits_second_sight"]),
+        float(state["shadow_asks"]),
+    )
+    # without the budget: choose_mode's view of it needs the bucket's size,
+    # which only the servers' config knows
+    mode = choose_mode("auto", scores, 1.0, AdmissionTuning())
+    tables: dict[str, int] = dict(state["tables"])
+    budget = state["budget"]
+    tenants = {
+        name: {key: int(named.get(key, 0)) for key in ADMISSION_COUNTERS}
+        for name, named in sorted(state["tenants"].items())
+    }
+    totals = {
+        key: sum(named[key] for named in tenants.values()) for key in ADMISSION_COUNTERS
+    }
+    return {
+        "auto_choice": _MODE_NAMES.get(mode, mode.name.lower()),
+        "shadow_hits_all": scores.hits_all,
+        "shadow_hits_second_sight": scores.hits_second_sight,
+        "shadow_asks": scores.asks,
+        "ghost_blocks": tables.get("ghost", 0),
+        "tables": tables,
+        "budget_left_bytes": None if budget is None else budget["tokens_bytes"],
+        "budget_updated_ns": None if budget is None else budget["updated_ns"],
+        **totals,
+        "tenants": tenants,
+    }
 
 
 def _scan(path: str) -> list[os.DirEntry[str]]:

@@ -7,7 +7,9 @@ stats of that step summed over workers (``NPUKVStats.data``).
 
     counters    vllm:npukv_{hit_tokens,lookup_tokens,loaded_bytes,saved_bytes,
                 dropped_blocks,load_errors,loaded_blocks,saved_blocks,
-                declined_tokens}_total, and
+                declined_tokens}_total, admission's
+                vllm:npukv_{declined_blocks,lost_hit_blocks,
+                wasted_write_blocks}_total (per engine; per tenant: npukv stats), and
                 vllm:npukv_load_decisions_total{decision=load|shorter|recompute|probe}
     histograms  vllm:npukv_load_gbps, vllm:npukv_save_gbps (one sample per step
                 that loaded or saved), vllm:npukv_load_wait_seconds (per step
@@ -44,6 +46,12 @@ COUNTED = {
     "load_errors": "Blocks whose load failed and were recomputed.",
     "declined_tokens": "Hit tokens the load policy chose to recompute (their "
     "load was expected to be slower).",
+    "declined_blocks": "Blocks a save brought that admission did not write "
+    "(second sight's first sight, or the write budget spent).",
+    "lost_hit_blocks": "Blocks a save brought again after admission declined "
+    "them (a hit the store could have served).",
+    "wasted_write_blocks": "Blocks written and then evicted before any read "
+    "(counted by the process whose commit evicted them).",
     "remote_hit_tokens": "Hit tokens found in the remote tier beyond the local "
     "store (claimed for loading).",
     "remote_lookups": "batch_is_exist calls the scheduler made to the remote tier.",

@@ -24,6 +24,12 @@ COUNTERS = (
     "save_seconds",
     "skipped_blocks",
     "dropped_blocks",
+    # admission (store/admission.py, docs/decisions/0069): blocks a save
+    # brought that were not written, those brought again after being
+    # declined, and written blocks evicted before any read
+    "declined_blocks",
+    "lost_hit_blocks",
+    "wasted_write_blocks",
     # the load policy's decisions, one per hit it was asked about
     # (connector/scheduler/load_policy.py), and the hit tokens it chose to recompute
     "decided_load",
@@ -47,6 +53,13 @@ COUNTERS = (
     "remote_load_corrupt",
     "remote_load_mac_failed",
     "remote_load_errors",
+)
+#: the store's counters (StoreCounters) a worker reports as they grow
+STORE_COUNTERS = (
+    "dropped_blocks",
+    "declined_blocks",
+    "lost_hit_blocks",
+    "wasted_write_blocks",
 )
 #: the tier's totals each side reports (one process may hold both sides and
 #: one tier: each total is reported by one side only)

@@ -156,6 +156,174 @@ def test_stats_capacity_is_the_servers(tmp_path, capsys):
     )
 
 
+def pairs_of(out, title):
+    """label -> value of the ``label  value`` lines of section ``title``."""
+    lines = out.splitlines()
+    start = lines.index(title) + 1
+    rows = {}
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        label, _, value = line.strip().partition("  ")
+        rows[label] = value.strip()
+    return rows
+
+
+def table_rows(out, title):
+    """The cells of each row of table ``title`` (headers and rule left out)."""
+    lines = out.splitlines()
+    start = lines.index(title) + 1
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        if set(line.strip()) <= {"─", "-"}:
+            continue
+        rows.append(line.split())
+    return rows
+
+
+@pytest.mark.parametrize("use_rich", [True, False])
+def test_stats_admission_declined_lost_hits_and_per_tenant(
+    tmp_path, capsys, monkeypatch, use_rich
+):
+    """Second sight declines a block the first time a save brings it: stats
+    count it (JSON and text); the same block brought again is written and
+    counted as a lost hit; another tenant's decline makes a per-tenant table."""
+    monkeypatch.setattr(cli_render, "USE_RICH", use_rich)
+    root = str(tmp_path / "c")
+    config = StoreConfig(cache_dir=root, admission="second_sight")
+    with KVStore(config, tiny_spec()) as store:
+        keys = store.keys_for(range(16))
+        assert store.put(keys, block_tensors(store.spec, keys)).stored == 0
+    default = "0" * 16
+    zero = dict.fromkeys(
+        ("admitted_blocks", "declined_blocks", "lost_hit_blocks",
+         "wasted_write_blocks", "written_bytes"), 0,
+    )  # fmt: skip
+    found = run_json(capsys, "stats", root)["admission"]
+    assert found["tenants"] == {default: {**zero, "declined_blocks": 1}}
+    assert (found["declined_blocks"], found["admitted_blocks"]) == (1, 0)
+    assert (found["lost_hit_blocks"], found["written_bytes"]) == (0, 0)
+    assert found["ghost_blocks"] == 1
+    assert found["budget_left_bytes"] is None
+    assert found["auto_choice"] == "write-all"  # no shadow hits yet
+    assert main(["stats", root]) == 0
+    out = capsys.readouterr().out
+    rows = pairs_of(out, "admission")
+    assert rows["declined blocks"] == "1"
+    assert rows["admitted blocks"] == "0"
+    assert rows["auto's choice"] == "write-all"
+    assert "write budget left" not in rows
+    assert "admission by tenant" not in out  # one tenant
+
+    with KVStore(config, tiny_spec()) as store:
+        keys = store.keys_for(range(16))
+        assert store.put(keys, block_tensors(store.spec, keys)).stored == 1
+        written = store.counters.snapshot()["put_bytes"]
+        other = store.tenant("b")
+        keys = store.keys_for(range(100, 116))
+        assert (
+            store.put(keys, block_tensors(store.spec, keys), tenant=other).stored == 0
+        )
+    found = run_json(capsys, "stats", root)["admission"]
+    assert found["tenants"] == {
+        default: {**zero, "admitted_blocks": 1, "declined_blocks": 1,
+                  "lost_hit_blocks": 1, "written_bytes": written},
+        other.hex(): {**zero, "declined_blocks": 1},
+    }  # fmt: skip
+    assert (found["declined_blocks"], found["lost_hit_blocks"]) == (2, 1)
+    assert (found["admitted_blocks"], found["written_bytes"]) == (1, written)
+    assert found["ghost_blocks"] == 1  # the default's left it when written
+    assert main(["stats", root]) == 0
+    out = capsys.readouterr().out
+    rows = pairs_of(out, "admission")
+    assert rows["declined blocks"] == "2"
+    assert rows["lost hits (declined, asked again)"] == "1"
+    assert rows["written"].endswith(f"({written:,} bytes)")
+    by_tenant = {row[0]: row[1:5] for row in table_rows(out, "admission by tenant")}
+    assert by_tenant == {
+        default: ["1", "1", "1", "0"],
+        other.hex(): ["0", "1", "0", "0"],
+    }
+    assert all(line == line.rstrip() for line in out.splitlines())
+
+
+def test_stats_admission_counts_writes_evicted_unread(tmp_path, capsys):
+    """Blocks written and evicted before any read are wasted writes, counted
+    directory-wide; written bytes are the puts' bytes."""
+    root = str(tmp_path / "c")
+    config = StoreConfig(cache_dir=root, capacity="20KiB", evict_grace_s=0)
+    with KVStore(config, tiny_spec()) as store:
+        for start in range(0, 400, 100):
+            keys = store.keys_for(range(start, start + 16))
+            assert store.put(keys, block_tensors(store.spec, keys)).stored == 1
+        counters = store.counters.snapshot()
+    assert counters["evicted_chunks"] >= 1
+    found = run_json(capsys, "stats", root)["admission"]
+    assert found["wasted_write_blocks"] == counters["evicted_chunks"]
+    assert found["wasted_write_blocks"] == counters["wasted_write_blocks"]
+    assert (found["admitted_blocks"], found["declined_blocks"]) == (4, 0)
+    assert found["written_bytes"] == counters["put_bytes"]
+
+
+class FakeAdmissionIndex:
+    def __init__(self, hits_all, hits_second_sight, budget=None):
+        self.state = {
+            "shadow_hits_all": hits_all,
+            "shadow_hits_second_sight": hits_second_sight,
+            "shadow_asks": 400.0,
+            "tables": {"shadow_all": 7, "shadow_second_sight": 6,
+                       "shadow_ghost": 5, "ghost": 42},
+            "budget": budget,
+            "tenants": {"0000000000000000": {"declined_blocks": 3}},
+        }  # fmt: skip
+
+    def admission_report(self):
+        return self.state
+
+
+@pytest.mark.parametrize(
+    ("hits_all", "hits_second_sight", "choice"),
+    [(0.0, 0.0, "write-all"), (106.0, 100.0, "write-all"),
+     (105.0, 100.0, "second sight"), (50.0, 100.0, "second sight")],
+)  # fmt: skip
+def test_auto_choice_is_write_all_only_by_a_margin(
+    hits_all, hits_second_sight, choice, capsys, monkeypatch
+):
+    from npukv_store.cli.reports import admission_report
+
+    monkeypatch.setattr(cli_render, "USE_RICH", False)
+    budget = {"tokens_bytes": 3072.5, "updated_ns": 10**18}
+    found = admission_report(FakeAdmissionIndex(hits_all, hits_second_sight, budget))
+    assert found["auto_choice"] == choice
+    assert (found["ghost_blocks"], found["budget_left_bytes"]) == (42, 3072.5)
+    assert found["tenants"]["0000000000000000"]["admitted_blocks"] == 0
+    assert found["declined_blocks"] == 3
+    sections = cli_render._admission_sections({"admission": found})
+    cli_render.emit(sections)
+    rows = pairs_of(capsys.readouterr().out, "admission")
+    assert rows["auto's choice"] == choice
+    assert rows["write budget left"] == "3.00 KiB (3,072 bytes) at 2001-09-09T01:46:40Z"
+    assert rows["ghost"].startswith("42 declined blocks remembered")
+
+
+def test_no_admission_section_until_a_server_keeps_admission_state(tmp_path, capsys):
+    """``admission: all`` without a budget keeps nothing: the JSON has the
+    zeros, the text no admission section (a fresh directory's stats stay as
+    they were)."""
+    root = str(tmp_path / "c")
+    fill(root, range(32), admission="all")
+    found = run_json(capsys, "stats", root)["admission"]
+    assert (found["tenants"], found["admitted_blocks"]) == ({}, 0)
+    assert main(["stats", root]) == 0
+    assert "auto's choice" not in capsys.readouterr().out
+    fill(root, range(100, 132))  # auto: counts what it admits
+    assert run_json(capsys, "stats", root)["admission"]["admitted_blocks"] == 2
+    assert main(["stats", root]) == 0
+    assert pairs_of(capsys.readouterr().out, "admission")["admitted blocks"] == "2"
+
+
 def test_inspect_namespace_and_chunk(tmp_path, capsys):
     root = str(tmp_path / "c")
     keys, chunk = fill(root)

@@ -61,6 +61,26 @@ def test_counters_move_with_the_steps_stats(metrics):
     assert registry.get_sample_value("vllm:npukv_load_gbps_bucket", sample) == 2
 
 
+def test_admission_counters_advance_by_each_steps_blocks(metrics):
+    prom, registry = metrics
+    step = NPUKVStats()
+    step.add(declined_blocks=5, lost_hit_blocks=2, wasted_write_blocks=1,
+             saved_bytes=4096)  # fmt: skip
+    prom.observe(step.to_dict(), engine_idx=0)
+    later = NPUKVStats()
+    later.add(declined_blocks=3)
+    prom.observe(later.to_dict(), engine_idx=0)
+    prom.observe(later.to_dict(), engine_idx=1)
+    assert _value(registry, "vllm:npukv_declined_blocks_total") == 8
+    assert _value(registry, "vllm:npukv_lost_hit_blocks_total") == 2
+    assert _value(registry, "vllm:npukv_wasted_write_blocks_total") == 1
+    assert _value(registry, "vllm:npukv_saved_bytes_total") == 4096
+    assert _value(registry, "vllm:npukv_declined_blocks_total", engine="1") == 3
+    assert _value(registry, "vllm:npukv_wasted_write_blocks_total", engine="1") == 0
+    # the load policy's declined hit tokens are another counter
+    assert _value(registry, "vllm:npukv_declined_tokens_total") == 0
+
+
 def test_a_step_without_transfers_records_no_rate_and_the_gauge_follows(metrics):
     prom, registry = metrics
     prom.observe(NPUKVStats().to_dict())

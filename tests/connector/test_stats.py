@@ -122,3 +122,30 @@ def test_worker_stats_and_periodic_line_count_a_known_run(
     assert "loaded 4 blocks" in line
     assert "saved 0 blocks, dropped 0, load errors 1" in line
     loader.close()
+
+
+def test_worker_stats_carry_the_stores_admission_counters(tmp_path):
+    """Under second sight a save's blocks are declined the first time and
+    written the second (lost hits): each step's stats carry the store's
+    counters' growth, once."""
+    keys = [bytes([150 + i]) * 16 for i in range(3)]
+    saver = worker_for(
+        tmp_path, cpu_caches(seed=31), layerwise="off", admission="second_sight"
+    )
+    assert saver.store is not None
+    for blocks in ([1, 2, 3], [4, 5, 6]):
+        saver.bind(NPUKVMetadata(saves=[transfer(keys, blocks)]))
+        saver.finish_step()
+        assert saver.store.flush(timeout_s=30)
+    first = saver.take_stats()
+    assert first is not None
+    assert first.data["declined_blocks"] == 3
+    assert first.data["lost_hit_blocks"] == 3
+    assert first.data["saved_blocks"] == 3
+    assert saver.take_stats() is None  # nothing new since
+    saver.store.counters.add(wasted_write_blocks=2)
+    later = saver.take_stats()
+    assert later is not None
+    assert later.data["wasted_write_blocks"] == 2
+    assert later.data["declined_blocks"] == 0
+    saver.close()

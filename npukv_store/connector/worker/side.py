@@ -45,7 +45,12 @@ from npukv_store.connector.namespace import (
     model_order,
 )
 from npukv_store.connector.setup import unusable_cache_dir
-from npukv_store.connector.stats import WORKER_COUNTERS, NPUKVStats, remote_deltas
+from npukv_store.connector.stats import (
+    STORE_COUNTERS,
+    WORKER_COUNTERS,
+    NPUKVStats,
+    remote_deltas,
+)
 from npukv_store.connector.worker.ascend_rules import SkippedWaits, kernel_block_rows
 from npukv_store.connector.worker.costs import CostMeter
 from npukv_store.connector.worker.layer_overlap import refuse_shared_layers
@@ -373,8 +378,12 @@ class WorkerSide:
         stats = self.stats
         if self.store is not None:
             counters = self.store.counters.snapshot()
-            dropped = counters.get("dropped_blocks", 0)
-            stats.add(dropped_blocks=dropped - self.totals.data["dropped_blocks"])
+            stats.add(
+                **{
+                    key: counters.get(key, 0) - self.totals.data[key]
+                    for key in STORE_COUNTERS
+                }
+            )
             if self.remote is not None:
                 stats.add(
                     **remote_deltas(self.remote, WORKER_COUNTERS, self._remote_reported)
