@@ -48,10 +48,49 @@ class BlockTransfer:
     #: whose blocks they are (a save's chunk holds one tenant's blocks: the
     #: keyed digest of the request's cache salt, docs/decisions/0067)
     tenant: bytes = DEFAULT_TENANT
+    #: per TP rank, the key of the block before each run of consecutive
+    #: ``rows`` (16 zero bytes where a run starts its chain): a save's chunk
+    #: goes below them in the LRU, so eviction never strands it (docs/
+    #: decisions/0070)
+    parents_by_rank: list[bytes] = field(default_factory=list)
 
     def keys(self, rank: int) -> list[bytes]:
         blob = self.keys_by_rank[rank if len(self.keys_by_rank) > 1 else 0]
         return unpack_keys(blob)
+
+    def row_parents(self, rank: int) -> list[bytes | None]:
+        """Per block: the key of its parent where a run of ``rows`` starts
+        (b"" where it starts its chain), None where the block before it in
+        this transfer is its parent."""
+        out: list[bytes | None] = [None] * len(self.block_ids)
+        if not self.parents_by_rank:
+            return out
+        blob = self.parents_by_rank[rank if len(self.parents_by_rank) > 1 else 0]
+        parents = iter(unpack_keys(blob))
+        for j, row in enumerate(self.rows):
+            if j == 0 or self.rows[j - 1] != row - 1:
+                key = next(parents, NO_PARENT)
+                out[j] = b"" if key == NO_PARENT else key
+        return out
+
+
+#: a run that starts its chain has no parent
+NO_PARENT = bytes(KEY_BYTES)
+
+
+def slice_parents(
+    keys: list[bytes], row_parents: list[bytes | None], start: int, stop: int
+) -> list[bytes]:
+    """The parent keys of the chunk of ``keys[start:stop]`` (a save batch
+    of several transfers: :meth:`BlockTransfer.row_parents` concatenated)."""
+    out = []
+    for i in range(start, stop):
+        parent = row_parents[i]
+        if parent is None and i == start and i > 0:
+            parent = keys[i - 1]  # a run cut by the chunk size
+        if parent:
+            out.append(parent)
+    return out
 
 
 def concat_transfers(

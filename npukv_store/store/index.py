@@ -52,7 +52,7 @@ from itertools import repeat
 import lmdb
 
 from npukv_store.errors import FormatError
-from npukv_store.store import index_pins, policy
+from npukv_store.store import index_pins, lru_order, policy
 from npukv_store.store.envs import open_env, release_env
 from npukv_store.store.index_pins import PIN_RECORD, PinDbs
 from npukv_store.store.index_rows import (
@@ -254,10 +254,11 @@ class Index:
         record: ChunkRecord,
         *,
         capacity_bytes: int,
-        grace_ns: int,
+        grace_ns: int = 0,
         touched: Iterable[bytes] = (),
         unlinked: Iterable[int] = (),
         shares: Mapping[bytes, int] | None = None,
+        parents: Iterable[bytes] = (),
     ) -> CommitResult:
         """Publish ``record``: each key absent from the index gets this chunk's row.
 
@@ -265,23 +266,37 @@ class Index:
         row is dead space. If the chunk wins no row, nothing is published. To stay
         within ``capacity_bytes``, chunks are evicted by :func:`.policy.pick_victims`
         (the oldest of the tenants over their ``shares``, then the committing
-        tenant's own), skipping those touched within ``grace_ns``; if that cannot
-        make room the chunk is rejected (a cache may refuse; it must not
-        overflow). ``touched`` chunk ids (from lookups) are refreshed, and the
+        tenant's own), in LRU order whatever their age (``grace_ns`` is unused:
+        the publisher defers the unlink of a young victim, docs/decisions/0070);
+        only chunks newer than this one are spared, and if that cannot make
+        room (pins, shares, or the chunk is older than all else) it is rejected
+        (a cache may refuse; it must not overflow), and so is a chunk one of
+        whose ``parents`` is not stored (it would be stranded at birth). Its
+        LRU time is below that of the chunks holding its ``parents`` (the keys
+        of the blocks before its rows' runs: :func:`.lru_order.parent_bound`),
+        and ``touched`` chunk ids
+        (from lookups, in chain order) are refreshed above it, and the
         tombstones of ``unlinked`` chunks (files removed since) are dropped, in
         the same transaction. ``shares`` (tenant -> bytes) are recorded for the
         maintenance job; None keeps the recorded ones.
         """
         with self._env.begin(write=True) as txn:
-            self._touch_in(txn, touched, record.last_access_ns)
+            self._touch_in(txn, touched, record.last_access_ns + 1)
             self._forget_in(txn, unlinked)
+            bound, orphan = lru_order.parent_bound(
+                txn, self._keys, self._chunks, record, parents
+            )
+            if orphan:  # its parent is gone: it would be stranded at birth
+                return CommitResult(0, True, ())
+            if bound is not None and bound < record.last_access_ns:
+                record = replace(record, last_access_ns=bound)
             ledger = Ledger(txn, self._meta)
             excess = ledger.total + record.size_bytes - capacity_bytes
             rule = shares
             if rule is None and excess > 0:
                 rule = unpack_shares(txn.get(SHARES, db=self._meta))
             victims, covered = self._pick_victims(
-                txn, excess, record.last_access_ns - grace_ns, rule or {}, record.tenant
+                txn, excess, record.last_access_ns, rule or {}, record.tenant
             )
             if not covered:
                 return CommitResult(0, True, ())
@@ -295,6 +310,8 @@ class Index:
             if live == 0:
                 txn.abort()  # nothing won: evicting for it would be pure loss
                 return CommitResult(0, False, ())
+            if live < len(record.keys):  # rows won elsewhere: parents there
+                self._lower_below_parents(txn, record)
             kept = set(record.keys)  # a victim's key this chunk took over stays
             gone = [key for key in gone if key not in kept]
             if gone:
@@ -308,6 +325,23 @@ class Index:
                     if txn.get(SHARES, db=self._meta) != packed:
                         txn.put(SHARES, packed, db=self._meta)
         return CommitResult(live, False, tuple(victims))
+
+    def _lower_below_parents(self, txn: lmdb.Transaction, record: ChunkRecord) -> None:
+        """A published ``record`` some of whose rows another chunk won since
+        the claim: that chunk holds the parent of the next row of ours, so
+        ours goes below it too (:func:`.lru_order.lost_parents`)."""
+        lost = lru_order.lost_parents(txn, self._keys, record)
+        bound, _ = lru_order.parent_bound(txn, self._keys, self._chunks, record, lost)
+        raw = txn.get(CID.pack(record.chunk_id), db=self._chunks)
+        if bound is None or raw is None:
+            return
+        rec = ChunkRecord.unpack(record.chunk_id, raw)
+        if rec.pinned or bound >= rec.last_access_ns:
+            return
+        txn.delete(rec.lru_key, db=self._lru)
+        rec = replace(rec, last_access_ns=bound)
+        txn.put(rec.lru_key, b"", db=self._lru)
+        txn.put(CID.pack(rec.chunk_id), rec.pack(), db=self._chunks)
 
     def _packed_shares(self, shares: Mapping[bytes, int]) -> bytes:
         """``shares`` as the meta record holds them, packed once per mapping
@@ -351,8 +385,9 @@ class Index:
         ``sources[row]`` is where row ``row`` of ``record`` was copied from. A
         key moves to the new chunk only if its home is still that source row: a
         key evicted or moved meanwhile stays as it is, and its new row is dead
-        space. The new chunk inherits the most recent access of the old ones, so
-        compaction does not make data look younger or older to eviction.
+        space. The new chunk takes the oldest access of the old ones: below
+        every source's parent, so a parent still outlives it (docs/decisions/
+        0070; a child of a newer source may then outlive it).
 
         Returns:
             The rows won and the old records unpublished; ``(0, [])`` when no
@@ -374,7 +409,7 @@ class Index:
             if live == len(record.keys) > 1:
                 txn.put(record.keys[0], whole_home(record), db=self._keys)
             ledger = Ledger(txn, self._meta)
-            removed, last = [], record.last_access_ns
+            removed, last = [], 1 << 64  # the oldest source's, below
             for chunk_id in old_ids:
                 raw = txn.get(CID.pack(chunk_id), db=self._chunks)
                 if raw is None:
@@ -387,7 +422,7 @@ class Index:
                     return 0, []
                 self._unpublish_in(txn, old)
                 ledger.add(old.tenant, -old.size_bytes)
-                last = max(last, old.last_access_ns)
+                last = min(last, old.last_access_ns)
                 removed.append(old)
             # A source left published is no longer whole: its row 0 must stop
             # vouching for rows moved away (lookups trust it), and its live
@@ -480,16 +515,20 @@ class Index:
     def _touch_in(
         self, txn: lmdb.Transaction, chunk_ids: Iterable[bytes], now_ns: int
     ) -> None:
-        for raw_id in chunk_ids:
+        """Chunks in chain order (parents first) get ``now + (n-1-i)`` ns: a
+        parent stays newer than its children (:func:`.lru_order.touch_times`)."""
+        chunk_ids = list(chunk_ids)
+        times = lru_order.touch_times(now_ns, len(chunk_ids))
+        for raw_id, at_ns in zip(chunk_ids, times, strict=True):
             chunk_id = U64.unpack(raw_id)[0]
             cid = CID.pack(chunk_id)
             raw = txn.get(cid, db=self._chunks)
             if raw is None:
                 continue  # evicted since the lookup: nothing to refresh
             record = ChunkRecord.unpack(chunk_id, raw)
-            if record.last_access_ns >= now_ns:
+            if record.last_access_ns >= at_ns:
                 continue
-            fresh = replace(record, last_access_ns=now_ns)
+            fresh = replace(record, last_access_ns=at_ns)
             if not record.pinned:  # a pinned chunk has no LRU entry
                 txn.delete(record.lru_key, db=self._lru)
                 txn.put(fresh.lru_key, b"", db=self._lru)

@@ -64,6 +64,13 @@ class ChunkRecord:
         )  # fmt: skip
 
     @property
+    def read_since_written(self) -> bool:
+        """Whether a lookup touched it after its write: a commit never dates a
+        chunk after its ``created_ns`` (it may date it before, below its
+        parent: docs/decisions/0070), a touch always does."""
+        return self.last_access_ns > self.created_ns
+
+    @property
     def lru_key(self) -> bytes:
         """Its entry in the lru db (pinned chunks have none)."""
         return LRU_FMT.pack(self.tenant, self.last_access_ns, self.chunk_id)

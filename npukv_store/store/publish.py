@@ -31,6 +31,7 @@ import lmdb
 
 from npukv_store.config import StoreConfig
 from npukv_store.store.claims import ClaimTable
+from npukv_store.store.deferred import DEFERRED_SHARE, DeferredUnlinks
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.dirfd import UnsafeEntry
 from npukv_store.store.index import Index
@@ -62,6 +63,10 @@ class Publisher:
         self.counters = counters
         self._lock = threading.Lock()
         self._unlinked: list[int] = []  # files we removed: tombstones to drop
+        #: young victims' files, unlinked once their grace is over (0070)
+        self.deferred = DeferredUnlinks(
+            int(config.evict_grace_s * 1e9), int(config.capacity * DEFERRED_SHARE)
+        )
 
     # -- claims ------------------------------------------------------------------
 
@@ -104,23 +109,26 @@ class Publisher:
         *,
         touched: Iterable[bytes] = (),
         skipped: int = 0,
+        parents: Sequence[bytes] = (),
     ) -> PutResult:
         """Publish the chunk file at ``path`` (already renamed into place):
         index rows for its keys, evicting for room; the file is deleted when it
         won no row or was rejected. ``skipped`` rows were dropped before the
-        write (counted with the rows that lost)."""
-        grace_ns = int(self.config.evict_grace_s * 1e9)
+        write (counted with the rows that lost). ``parents``: the keys of the
+        blocks before its rows' runs (its LRU time goes below theirs); the
+        files of victims used within ``evict_grace_s`` wait (:mod:`.deferred`)."""
+        self.sweep_deferred()
         try:
             with self._transact() as doomed, _lmdb_errors(self.index.path):
                 result = self.index.commit_chunk(
                     record,
                     capacity_bytes=self.config.capacity,
-                    grace_ns=grace_ns,
                     shares=self.shares,
                     touched=touched,
                     unlinked=self.take_unlinked(),
+                    parents=parents,
                 )
-                doomed.extend(result.victims)
+                doomed.extend(self.deferred.split(result.victims))
         except BaseException:
             unlink_quietly(self.dir, path)
             raise
@@ -271,6 +279,16 @@ class Publisher:
         with self._lock:
             self._unlinked.extend(record.chunk_id for record in doomed)
 
+    def sweep_deferred(self, *, everything: bool = False) -> int:
+        """Unlink the deferred files whose grace is over (``everything``: all
+        of them); their tombstones go in the next transaction. Returns how
+        many."""
+        records = self.deferred.due(everything=everything)
+        if records:
+            with self._transact() as doomed:
+                doomed.extend(records)
+        return len(records)
+
     def take_unlinked(self) -> list[int]:
         """Chunk ids whose files this process removed since the last call."""
         with self._lock:
@@ -278,7 +296,9 @@ class Publisher:
         return unlinked
 
     def forget_unlinked(self) -> None:
-        """Drop the tombstones of files removed (at close: no commit follows)."""
+        """Unlink every deferred file and drop the tombstones of files removed
+        (at close: no commit follows)."""
+        self.sweep_deferred(everything=True)
         unlinked = self.take_unlinked()
         if unlinked:
             self.index.forget_dead(unlinked)

@@ -45,6 +45,7 @@ from npukv_store.store.arrays import input_rows, merge_reads
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.index_rows import ChunkRecord, RemovedKeys
+from npukv_store.store.lru_order import Parent, batch_parents
 from npukv_store.store.page_cache import PageCache
 from npukv_store.store.publish import Publisher
 from npukv_store.store.read.plan import ChunkReadPlan, ReadTuning
@@ -139,6 +140,8 @@ class KVStore:
             self.dir, self.index, self.claims, self.config, self.counters,
             shares=share_bytes(self.config, self.key_domain.tenant),
         )  # fmt: skip
+        # the flush also unlinks deferred files whose grace is over (0070)
+        self.touches.after_flush = self.publisher.sweep_deferred
 
     @property
     def _sync(self) -> bool:
@@ -188,6 +191,7 @@ class KVStore:
         tensors: Mapping[str, object],
         *,
         tenant: bytes = DEFAULT_TENANT,
+        parent: Parent = None,
     ) -> PutResult:
         """Store a batch of blocks as one chunk.
 
@@ -196,6 +200,10 @@ class KVStore:
             tensors: every tensor name of the namespace -> an array (numpy or CPU
                 torch) shaped ``[len(keys), *row_shape]`` of the part's dtype.
             tenant: whose blocks they are (:meth:`tenant`; docs/decisions/0067).
+            parent: the key of the block before ``keys[0]`` in its chain (None:
+                ``keys[0]`` starts a chain; a batch of several chains passes
+                each one's): the chunk goes below its parents in the LRU, so
+                eviction never strands it (docs/decisions/0070).
 
         Returns:
             How many rows were stored, skipped (already stored, or claimed by a
@@ -210,7 +218,9 @@ class KVStore:
         rows = input_rows(self.spec, keys, tensors)
         fresh = self._claim(keys)
         try:
-            return self._put_claimed(keys, rows, fresh, tenant)
+            return self._put_claimed(
+                keys, rows, fresh, tenant, self._parents(keys, fresh, parent)
+            )
         finally:
             self._release_claims([keys[i] for i in fresh])
 
@@ -219,12 +229,24 @@ class KVStore:
         claims them for this one."""
         return self.publisher.claim(keys)
 
+    def _parents(
+        self, keys: Sequence[bytes], fresh: list[int], parent: Parent
+    ) -> tuple[bytes, ...]:
+        """The parent keys of the chunk of ``keys[fresh]`` (docs/decisions/0070)."""
+        return batch_parents(
+            keys,
+            fresh,
+            parent,
+            lambda ks: [loc is not None for loc in self.index.locate(ks)],
+        )
+
     def _put_claimed(
         self,
         keys: Sequence[bytes],
         rows: dict[str, np.ndarray],
         fresh: list[int],
         tenant: bytes,
+        parents: tuple[bytes, ...] = (),
     ) -> PutResult:
         skipped = len(keys) - len(fresh)
         if not fresh:
@@ -243,8 +265,9 @@ class KVStore:
             chunk_id, self.fingerprint, keys, size, created, tenant
         )
         return self.publisher.commit(
-            record, path, touched=self.touches.take(), skipped=skipped
-        )
+            record, path, touched=self.touches.take(), skipped=skipped,
+            parents=parents,
+        )  # fmt: skip
 
     def put_async(
         self,
@@ -253,6 +276,7 @@ class KVStore:
         event: Event | None = None,
         *,
         tenant: bytes = DEFAULT_TENANT,
+        parent: Parent = None,
     ) -> PutResult:
         """Stage a batch of blocks in the shared-memory ring and return at once.
 
@@ -261,7 +285,7 @@ class KVStore:
         whole batch is dropped and counted (``dropped``): saving never waits.
 
         Args:
-            keys, tensors: as for :meth:`put`.
+            keys, tensors, tenant, parent: as for :meth:`put`.
             event: for device callers, what to wait for before the staged bytes
                 are complete (a D2H copy into the ring); None on the CPU.
 
@@ -277,8 +301,9 @@ class KVStore:
             return PutResult(stored=0, skipped=0, rejected=0, dropped=len(keys))
         try:
             queued = self._saver().stage(
-                self._target(), keys, rows, fresh, event, tenant
-            )
+                self._target(), keys, rows, fresh, event, tenant,
+                parents=self._parents(keys, fresh, parent),
+            )  # fmt: skip
         except BaseException:  # e.g. the ring does not fit: keys must stay savable
             self._release_claims([keys[i] for i in fresh])
             raise
@@ -299,10 +324,12 @@ class KVStore:
         *,
         to_remote: bool = True,
         tenant: bytes = DEFAULT_TENANT,
+        parent: Parent = None,
     ) -> StagedSave | None:
         """Claim the blocks of ``keys`` not stored or in flight and reserve a
         ring region laid out as their chunk, for a caller that fills it layer
-        by layer (the connector's device copies). Never blocks.
+        by layer (the connector's device copies). Never blocks. ``tenant``
+        and ``parent`` as for :meth:`put`.
 
         Returns:
             None when nothing is left to save or the ring is full (counted as
@@ -322,8 +349,9 @@ class KVStore:
         try:
             if fresh:
                 staged = self._saver().reserve(
-                    self._target(), batch_keys, to_remote=to_remote, tenant=tenant
-                )
+                    self._target(), batch_keys, to_remote=to_remote, tenant=tenant,
+                    parents=self._parents(keys, fresh, parent),
+                )  # fmt: skip
         finally:
             if staged is None:
                 self._release_claims(batch_keys)
@@ -484,8 +512,10 @@ class KVStore:
         run's small ranges would each wait for the disk (docs/decisions/0052).
 
         Every request must name the same tensors. Returns ``read``'s list per
-        request. ``touch=False`` leaves the chunks' LRU recency as it is (the
-        maintenance job's reads are not uses).
+        request. A read leaves the chunks' LRU recency as it is: the lookup
+        that found the blocks touched their whole prefix in chain order, and a
+        read of a chain's tail alone would make a child newer than its parent
+        (docs/decisions/0070). ``touch`` is accepted and ignored.
         """
         self._check_fork()
         merged = merge_reads(self.spec, requests)
@@ -500,9 +530,7 @@ class KVStore:
                 by_chunk.setdefault(loc[0], []).append((i, loc[1]))
         chunks = list(by_chunk.items())
         results = self._reader.read_chunks(chunks, all_keys, layers, merged.dest)
-        for (chunk_id, _), good in zip(chunks, results, strict=True):
-            if good and touch:
-                self.touches.note_chunk(chunk_id)
+        for good in results:
             for i in good:
                 ok[i] = True
         corrupt = self._reader.take_corrupt()
@@ -553,11 +581,16 @@ class KVStore:
         Args:
             verify_data: also read every live row and check its checksums.
             fix: delete crash leftovers (tmp garbage, orphan chunk files).
+
+        This handle's deferred unlinks happen first (their files would read as
+        orphans).
         """
         from npukv_store.store.check import check_store
 
         self._check_fork()
         self.flush_touches()
+        # this handle's deferred files would read as orphans (0070)
+        self.publisher.sweep_deferred(everything=True)
         return check_store(
             self.dir, self.index, self.config, verify_data=verify_data, fix=fix
         )

@@ -4,9 +4,16 @@ Runs in: any process with a store handle; thread-safe. A daemon thread
 ("npukv-touch") flushes about once a second.
 
     note_keys()   - keys a lookup found (resolved to chunk ids at flush time)
-    note_chunk()  - a chunk a read used
-    take()        - pending chunk ids, for a commit transaction to refresh
+    note_chunk()  - a chunk a lookup found (the connector's located chains)
+    take()        - pending chunk ids in chain order, for a commit to refresh
     flush()       - write them to the index now
+
+Order (docs/decisions/0070): a lookup notes a whole prefix of a chain, so a
+chunk's parent (the chunk holding the block before its first) is noted before
+it; touches keep that order, and the index gives earlier chunks newer times,
+so a parent always outlives its children in the LRU. Reads note nothing: the
+lookup that found the blocks touched them, and a read of a chain's tail alone
+(the blocks a GPU cache lacks) would make a child newer than its parent.
 
 A lookup or read must not take the index write lock (readers are never blocked
 by writers), so touches are only collected in memory on those paths and written
@@ -36,21 +43,24 @@ class TouchRecorder:
         """``index`` returns the handle's current index (it changes after fork)."""
         self._index = index
         self._lock = threading.Lock()
-        self._chunk_ids: set[bytes] = set()  # 8-byte little-endian chunk ids
-        # insertion-ordered: a lookup's chain stays in order, and
+        # insertion-ordered, keys and chunk ids alike (b"k" + key, b"c" +
+        # 8-byte little-endian id): chain order, parents first (0070); and
         # Index.locate reads a chain a chunk at a time (docs/decisions/0060)
-        self._keys: dict[bytes, None] = {}
+        self._noted: dict[bytes, None] = {}
+        #: run after each flush (the publisher's deferred unlinks)
+        self.after_flush: Callable[[], object] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def note_keys(self, keys: Sequence[bytes]) -> None:
         with self._lock:
-            self._keys.update(dict.fromkeys(keys))
+            self._noted.update(dict.fromkeys(b"k" + key for key in keys))
         self._ensure_thread()
 
     def note_chunk(self, chunk_id: int) -> None:
+        """A chunk a lookup found; chunks are noted in chain order."""
         with self._lock:
-            self._chunk_ids.add(chunk_id.to_bytes(8, "little"))
+            self._noted[b"c" + chunk_id.to_bytes(8, "little")] = None
         self._ensure_thread()
 
     def _ensure_thread(self) -> None:
@@ -65,15 +75,20 @@ class TouchRecorder:
         while not self._stop.wait(FLUSH_INTERVAL_S):
             self.flush()
 
-    def take(self) -> set[bytes]:
-        """Pending chunk ids (the lookups' keys resolved now); clears them."""
+    def take(self) -> list[bytes]:
+        """Pending chunk ids in the order noted, each once (the lookups'
+        keys resolved now); clears them."""
         with self._lock:
-            chunk_ids, self._chunk_ids = self._chunk_ids, set()
-            keys, self._keys = list(self._keys), {}
-        for location in self._index().locate(keys) if keys else ():
-            if location is not None:
-                chunk_ids.add(location[0].to_bytes(8, "little"))
-        return chunk_ids
+            noted, self._noted = list(self._noted), {}
+        keys = [entry[1:] for entry in noted if entry[:1] == b"k"]
+        found = iter(self._index().locate(keys) if keys else ())
+        chunk_ids: dict[bytes, None] = {}
+        for entry in noted:
+            if entry[:1] == b"c":
+                chunk_ids[entry[1:]] = None
+            elif (location := next(found)) is not None:
+                chunk_ids[location[0].to_bytes(8, "little")] = None
+        return list(chunk_ids)
 
     def flush(self) -> None:
         """Write pending touches to the index now."""
@@ -83,6 +98,11 @@ class TouchRecorder:
                 self._index().touch(chunk_ids, time.time_ns())
             except Exception as exc:  # a cache hint: losing it only ages the chunk
                 logger.warning("LRU touch failed: %s", exc)
+        if self.after_flush is not None:
+            try:
+                self.after_flush()
+            except Exception as exc:  # deferred unlinks: retried next time
+                logger.warning("after the touch flush: %s", exc)
 
     def stop(self) -> None:
         """Stop the flush thread (waiting for a flush in progress), then flush."""
@@ -96,5 +116,4 @@ class TouchRecorder:
         """The parent's thread does not exist in a forked child."""
         with self._lock:
             self._thread = None
-            self._chunk_ids.clear()
-            self._keys.clear()
+            self._noted.clear()

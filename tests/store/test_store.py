@@ -125,14 +125,17 @@ def test_lru_eviction_respects_touches_and_capacity(tmp_path, spec):
         assert store.check(verify_data=True) == []
 
 
-def test_grace_period_rejects_instead_of_evicting_hot_chunks(tmp_path, spec):
+def test_grace_period_defers_the_unlink_of_hot_chunks(tmp_path, spec):
+    """A hot chunk is evicted rather than the save refused, and its file
+    waits for the grace (a reader that located it still reads it:
+    docs/decisions/0070, tests/store/test_deferred_unlink.py)."""
     config = StoreConfig(cache_dir=str(tmp_path / "c"), capacity=15000)
     with KVStore(config, spec) as store:
         first, result = put_prompt(store, [1] * 32)
         assert result.stored == 2
         _, second = put_prompt(store, [2] * 32)
-        assert (second.stored, second.rejected) == (0, 2)
-        assert store.lookup(first) == 2
+        assert (second.stored, second.rejected) == (2, 0)
+        assert store.lookup(first) == 0
         assert store.check() == []
 
 

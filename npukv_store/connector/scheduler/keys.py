@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from npukv_store.connector.metadata import BlockTransfer, pack_keys
+from npukv_store.connector.metadata import NO_PARENT, BlockTransfer, pack_keys
 from npukv_store.connector.scheduler.load_policy import Decision
 from npukv_store.connector.vllm_api import lora_identity
 from npukv_store.hashing import chain_links, rank_keys
@@ -232,4 +232,12 @@ def transfer(
         remote=remote,
         rows=list(rows),
         tenant=tenant,
-    )
+        parents_by_rank=[
+            pack_keys([
+                rank[group][i - 1] if i > 0 else NO_PARENT
+                for j, i in enumerate(rows)
+                if j == 0 or rows[j - 1] != i - 1
+            ])
+            for rank in keys
+        ],
+    )  # fmt: skip

@@ -22,10 +22,13 @@ the load fail and be recomputed, never serve wrong KV (docs/decisions/0033,
 So a hit costs one lookup per block of rank 0 and two per save run of each
 other rank, not one per block and rank: the cost no longer grows with TP.
 The chunks found are touched (LRU) directly, not by keys the touch flush
-would have to look up again.
+would have to look up again, in chain order: parents first, so a parent stays
+newer than its children (docs/decisions/0070).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from npukv_store.connector.scheduler.keys import KeyChains, RequestState
 from npukv_store.store.store import KVStore
@@ -52,7 +55,7 @@ def stored_prefix(
             break
     locations: list[Location] = located[:count]  # type: ignore[assignment]
     store.counters.add(lookups=1, hit_blocks=count, lookup_blocks=len(links))
-    _touch(store, {chunk_id for chunk_id, _ in locations})
+    _touch(store, dict.fromkeys(chunk_id for chunk_id, _ in locations))
     runs = _runs(locations)
     for rank in range(len(chains.fingerprints)):
         if count and not chains.is_root(rank, group):
@@ -90,7 +93,7 @@ def _rank_prefix(
     found = store.index.locate(keys)
     hits = sum(loc is not None for loc in found)
     store.counters.add(lookups=1, hit_blocks=hits, lookup_blocks=len(keys))
-    chunks: set[int] = set()
+    chunks: dict[int, None] = {}  # chain order
     for n, (start, stop) in enumerate(runs):
         first, last = found[2 * n], found[2 * n + 1]
         if (
@@ -99,7 +102,7 @@ def _rank_prefix(
             and first[0] == last[0]
             and last[1] - first[1] == stop - 1 - start
         ):
-            chunks.add(first[0])
+            chunks[first[0]] = None
             continue
         _touch(store, chunks)
         return start + _exact(store, chains, state, rank, group, start, count)
@@ -125,6 +128,6 @@ def _exact(
     return found
 
 
-def _touch(store: KVStore, chunk_ids: set[int]) -> None:
+def _touch(store: KVStore, chunk_ids: Iterable[int]) -> None:
     for chunk_id in chunk_ids:
         store.touches.note_chunk(chunk_id)

@@ -22,7 +22,11 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from npukv_store.config import StoreConfig
-from npukv_store.connector.metadata import BlockTransfer, concat_transfers
+from npukv_store.connector.metadata import (
+    BlockTransfer,
+    concat_transfers,
+    slice_parents,
+)
 from npukv_store.connector.worker.block_runs import build_runs
 from npukv_store.connector.worker.loader import LoadLayer
 from npukv_store.device.ordering import d2h_after, record_written
@@ -107,17 +111,21 @@ class StepSaver:
         # a chunk holds one tenant's blocks (docs/decisions/0067)
         batches = sorted({(s.group, s.tenant) for s in self._saves})
         for group, tenant in batches:
-            keys, block_ids = concat_transfers(
-                [s for s in self._saves if (s.group, s.tenant) == (group, tenant)],
-                self._rank,
-            )
+            transfers = [
+                s for s in self._saves if (s.group, s.tenant) == (group, tenant)
+            ]
+            keys, block_ids = concat_transfers(transfers, self._rank)
+            # each chunk goes below its chains' parents in the LRU (0070)
+            parents = [p for s in transfers for p in s.row_parents(self._rank)]
             per_chunk = blocks_per_chunk(
                 self._specs[group].block_bytes, self._settings.chunk_target_size
             )
             for start in range(0, len(keys), per_chunk):
+                stop = start + per_chunk
                 staged = self._stores[group].begin_save(
-                    keys[start : start + per_chunk], tenant=tenant
-                )
+                    keys[start:stop], tenant=tenant,
+                    parent=slice_parents(keys, parents, start, min(stop, len(keys))),
+                )  # fmt: skip
                 if staged is not None:
                     ids = [block_ids[start + i] for i in staged.indices]
                     self._staged.append((staged, ids, group))

@@ -132,12 +132,16 @@ class AsyncSaver:
         fresh: list[int],
         event: Event | None,
         tenant: bytes = DEFAULT_TENANT,
+        *,
+        parents: tuple[bytes, ...] = (),
     ) -> int:
         """Stage the ``fresh`` rows for ``target``; returns how many were
         queued (0: dropped)."""
         if not fresh:
             return 0
-        staged = self.reserve(target, tuple(keys[i] for i in fresh), tenant=tenant)
+        staged = self.reserve(
+            target, tuple(keys[i] for i in fresh), tenant=tenant, parents=parents
+        )
         if staged is None:
             return 0  # ring full: drop the batch, never wait
         spec = target.spec
@@ -156,9 +160,11 @@ class AsyncSaver:
         *,
         to_remote: bool = True,
         tenant: bytes = DEFAULT_TENANT,
+        parents: tuple[bytes, ...] = (),
     ) -> StagedBatch | None:
         """A ring region laid out as the chunk of ``batch_keys`` for ``target``
-        (one ``tenant``'s blocks), with its header written; the caller fills
+        (one ``tenant``'s blocks; ``parents``: the keys before its chains'
+        runs, docs/decisions/0070), with its header written; the caller fills
         the data section. None when the ring is full."""
         created = time.time_ns()
         header = encode_header(
@@ -183,7 +189,7 @@ class AsyncSaver:
                 batch_keys,
                 secrets.randbits(63) + 1,
                 created,
-                owner=(target, layout, tenant),
+                owner=(target, layout, tenant, parents),
                 to_remote=to_remote,
             ),  # fmt: skip
             layout,
@@ -200,7 +206,7 @@ class AsyncSaver:
 
     def _publish(self, batch: SaveBatch) -> None:
         """Writer thread: checksums into the image, write, publish, release keys."""
-        target, layout, tenant = _owner(batch)
+        target, layout, tenant, parents = _owner(batch)
         config = self.config
         try:
             if self._engine is None:
@@ -227,7 +233,9 @@ class AsyncSaver:
                 batch.chunk_id, target.fingerprint, batch.keys, size,
                 batch.created_ns, tenant,
             )  # fmt: skip
-            target.publisher.commit(record, path, touched=target.touches.take())
+            target.publisher.commit(
+                record, path, touched=target.touches.take(), parents=parents
+            )
             if self.remote is not None and batch.to_remote:
                 self._offer_remote(batch, target, layout)
         finally:
@@ -281,7 +289,9 @@ class AsyncSaver:
         self.ring.close()
 
 
-def _owner(batch: SaveBatch) -> tuple[SaveTarget, ChunkLayout, bytes]:
+def _owner(
+    batch: SaveBatch,
+) -> tuple[SaveTarget, ChunkLayout, bytes, tuple[bytes, ...]]:
     owner = batch.owner
     assert isinstance(owner, tuple), "every batch is reserved with its target"
     return owner
