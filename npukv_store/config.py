@@ -384,9 +384,15 @@ class StoreConfig:
     evict_grace_s: float = field(
         default=5.0,
         metadata=_doc(
-            "Seconds after its last use during which a chunk is not evicted; a "
-            "commit that finds only such chunks to make room with is refused "
-            "(the servers count rejected_blocks).",
+            "Seconds after its last use during which an evicted chunk keeps its "
+            "file: a commit takes victims in LRU order whatever their age, and "
+            "a victim used within this grace leaves the index at once but is "
+            "unlinked only once the grace since its last use is over (a reader "
+            "that located it still reads it). At most capacity/16 bytes wait "
+            "so (beyond: unlinked at once, a reader then misses and "
+            "recomputes), so the disk holds up to capacity * 17/16 of chunk "
+            "files. The maintenance job's eviction to a target spares such "
+            "chunks. docs/decisions/0070.",
             unit="seconds",
         ),
     )
