@@ -99,6 +99,24 @@ def _parse_number(value: object, key: str, kind: type[int] | type[float]) -> Any
         ) from None
 
 
+def _parse_budget(value: object, capacity: int) -> int:
+    """``write_budget`` in bytes per day: a byte size, or drive writes per
+    day of ``capacity`` (``"0.5dwpd"``)."""
+    if isinstance(value, str) and value.strip().lower().endswith("dwpd"):
+        number = value.strip()[:-4].strip()
+        try:
+            dwpd = float(number)
+        except ValueError:
+            dwpd = -1.0
+        if not math.isfinite(dwpd) or dwpd < 0:
+            raise ConfigError(
+                f"write_budget: found {value!r}, expected drive writes per day "
+                "such as '0.5dwpd', or a byte size per day such as '2TB'"
+            )
+        return int(dwpd * capacity)
+    return parse_size(value, key="write_budget")
+
+
 def _parse_shares(value: object, capacity: int) -> tuple[tuple[str, float | int], ...]:
     """``tenant_shares`` as ``((salt, fraction or bytes), ...)``, checked.
 
@@ -200,6 +218,31 @@ class StoreConfig:
             "together: a commit that needs room evicts the least recently used "
             "chunks. Sizing it: docs/guide/operations.md.",
             unit="bytes",
+        ),
+    )
+    admission: str = field(
+        default="auto",
+        metadata=_doc(
+            "Which of the blocks a save brings are written. all: every block "
+            "not stored. second_sight: a block the second time a save brings "
+            "it (the first time it is remembered in a bounded ghost). auto: "
+            "whichever of the two a shadow of both, kept on a sample of the "
+            "directory's blocks, says hits more at this capacity (write-all "
+            "must win by 5%). Saves stay prefix-closed; a declined block is a "
+            "miss, never wrong KV. Choosing: docs/guide/operations.md "
+            "(docs/decisions/0069).",
+            choices=("auto", "all", "second_sight"),
+        ),
+    )
+    write_budget: int = field(
+        default=0,
+        metadata=_doc(
+            "Bytes the directory may write per day, all processes together, "
+            "as a size ('2TB') or in drive writes per day of capacity "
+            "('0.5dwpd'); 0: no budget. Under half of an hour's budget left, "
+            "admission is second_sight whatever `admission` says; with none "
+            "left, saves are declined until it refills.",
+            unit="bytes per day",
         ),
     )
     tenant_shares: tuple[tuple[str, float | int], ...] = field(
@@ -532,6 +575,10 @@ class StoreConfig:
             object.__setattr__(self, key, parse_size(getattr(self, key), key=key))
         object.__setattr__(
             self, "tenant_shares", _parse_shares(self.tenant_shares, self.capacity)
+        )
+        self._check_choice("admission", ("auto", "all", "second_sight"))
+        object.__setattr__(
+            self, "write_budget", _parse_budget(self.write_budget, self.capacity)
         )
         self._check_choice("io_engine", ("auto", "uring", "threads"))
         self._check_choice("fsync", ("chunk", "never"))

@@ -203,6 +203,8 @@ def admission_report(index: Index) -> dict[str, Any]:
         float(state["shadow_hits_all"]),
         float(state["shadow_hits_second_sight"]),
         float(state["shadow_asks"]),
+        float(state.get("shadow_writes_all", 0.0)),
+        float(state.get("shadow_writes_second_sight", 0.0)),
     )
     # without the budget: choose_mode's view of it needs the bucket's size,
     # which only the servers' config knows
@@ -221,6 +223,8 @@ def admission_report(index: Index) -> dict[str, Any]:
         "shadow_hits_all": scores.hits_all,
         "shadow_hits_second_sight": scores.hits_second_sight,
         "shadow_asks": scores.asks,
+        "shadow_writes_all": scores.writes_all,
+        "shadow_writes_second_sight": scores.writes_second_sight,
         "ghost_blocks": tables.get("ghost", 0),
         "tables": tables,
         "budget_left_bytes": None if budget is None else budget["tokens_bytes"],

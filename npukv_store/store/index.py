@@ -45,14 +45,14 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from itertools import repeat
 
 import lmdb
 
 from npukv_store.errors import FormatError
-from npukv_store.store import index_pins, lru_order, policy
+from npukv_store.store import index_admission, index_pins, lru_order, policy
 from npukv_store.store.envs import open_env, release_env
 from npukv_store.store.index_pins import PIN_RECORD, PinDbs
 from npukv_store.store.index_rows import (
@@ -77,6 +77,8 @@ from npukv_store.store.index_rows import (
 from npukv_store.store.permissions import Access
 
 SEQ = CID  # a removal log entry's position: u64 big-endian, so the log sorts
+#: what a caller runs inside a write transaction, given its victims
+InTxn = Callable[[lmdb.Transaction, Sequence[ChunkRecord]], None]
 
 #: 2: row 0 of a whole chunk lists its other keys; 3: tenants and pins
 SCHEMA = b"npukv-index-3"
@@ -120,7 +122,9 @@ class Index:
             raise FormatError(f"{path}: index schema {schema!r}, expected {SCHEMA!r}")
 
     def _open_dbs(self) -> bytes | None:
-        """Open the seven databases; the schema found (None: a new index).
+        """Open the eight databases; the schema found (None: a new index).
+        ``admission`` is read and written by :mod:`.index_admission` inside
+        this class's transactions (an older release ignores it).
 
         One explicit write transaction: ``open_db`` without one begins it
         holding the GIL, which deadlocks against a thread of ours
@@ -130,16 +134,34 @@ class Index:
         it holds LMDB's writer lock for microseconds.
         """
         with self._env.begin(write=True) as txn:
-            names = (b"keys", b"chunks", b"lru", b"meta", b"dead", b"removed", b"pins")
+            names = (
+                b"keys", b"chunks", b"lru", b"meta", b"dead", b"removed", b"pins",
+                b"admission",
+            )  # fmt: skip
             dbs = [self._env.open_db(name, txn=txn) for name in names]
             schema = txn.get(b"schema", db=dbs[3])
             if schema is None:
                 txn.put(b"schema", SCHEMA, db=dbs[3])
                 txn.put(b"total_bytes", U64.pack(0), db=dbs[3])
         self._keys, self._chunks, self._lru, self._meta, self._dead = dbs[:5]
-        self._removed, self._pins = dbs[5:]
+        self._removed, self._pins, self.admission_db = dbs[5:]
         self._pin_dbs = PinDbs(self._pins, self._keys, self._chunks, self._lru)
         return schema
+
+    def admission_report(self) -> dict[str, object]:
+        """The directory's admission state (:func:`.index_admission.report`)."""
+        with self._env.begin() as txn:
+            return index_admission.report(txn, self.admission_db)
+
+    def admission_problems(self) -> list[str]:
+        """What is inconsistent in the admission tables (for ``npukv verify``
+        and the tests)."""
+        with self._env.begin() as txn:
+            return index_admission.check(txn, self.admission_db)
+
+    def begin_read(self) -> lmdb.Transaction:
+        """A read transaction (a snapshot; never blocked by writers)."""
+        return self._env.begin()
 
     def close(self) -> None:
         """Release this handle; the environment closes with its last handle."""
@@ -258,6 +280,7 @@ class Index:
         touched: Iterable[bytes] = (),
         unlinked: Iterable[int] = (),
         shares: Mapping[bytes, int] | None = None,
+        in_txn: InTxn | None = None,
         parents: Iterable[bytes] = (),
     ) -> CommitResult:
         """Publish ``record``: each key absent from the index gets this chunk's row.
@@ -278,7 +301,9 @@ class Index:
         (from lookups, in chain order) are refreshed above it, and the
         tombstones of ``unlinked`` chunks (files removed since) are dropped, in
         the same transaction. ``shares`` (tenant -> bytes) are recorded for the
-        maintenance job; None keeps the recorded ones.
+        maintenance job; None keeps the recorded ones. ``in_txn`` runs in
+        the same transaction once the chunk is published, with the victims
+        (the admission state's pending changes: :mod:`.index_admission`).
         """
         with self._env.begin(write=True) as txn:
             self._touch_in(txn, touched, record.last_access_ns + 1)
@@ -318,6 +343,8 @@ class Index:
                 self._log_removed_in(txn, b"".join(gone))
             ledger.add(record.tenant, record.size_bytes)
             ledger.write()
+            if in_txn is not None:
+                in_txn(txn, victims)
             if capacity_bytes < 1 << 62:  # rebuilds pass "unlimited"
                 txn.put(b"capacity", U64.pack(capacity_bytes), db=self._meta)
                 if shares is not None:
@@ -452,7 +479,9 @@ class Index:
             ledger.write()
         return live, removed
 
-    def evict(self, excess: int, *, young_after_ns: int) -> list[ChunkRecord]:
+    def evict(
+        self, excess: int, *, young_after_ns: int, in_txn: InTxn | None = None
+    ) -> list[ChunkRecord]:
         """Unpublish chunks until ``excess`` bytes are gone, by the commits'
         rule without a committer: the oldest of the tenants over their
         recorded shares, sparing chunks used after ``young_after_ns`` (the
@@ -466,6 +495,8 @@ class Index:
                 self._unpublish_in(txn, victim)
                 ledger.add(victim.tenant, -victim.size_bytes)
             ledger.write()
+            if in_txn is not None:
+                in_txn(txn, victims)
         return victims
 
     def evict_plan(self, excess: int, grace_s: float) -> list[int]:
@@ -507,10 +538,15 @@ class Index:
         for chunk_id in chunk_ids:
             txn.delete(CID.pack(chunk_id), db=self._dead)
 
-    def touch(self, chunk_ids: Iterable[bytes], now_ns: int) -> None:
-        """Mark chunks (8-byte little-endian ids) as used at ``now_ns``."""
+    def touch(
+        self, chunk_ids: Iterable[bytes], now_ns: int, in_txn: InTxn | None = None
+    ) -> None:
+        """Mark chunks (8-byte little-endian ids) as used at ``now_ns``;
+        ``in_txn`` runs in the same transaction (no victims)."""
         with self._env.begin(write=True) as txn:
             self._touch_in(txn, chunk_ids, now_ns)
+            if in_txn is not None:
+                in_txn(txn, ())
 
     def _touch_in(
         self, txn: lmdb.Transaction, chunk_ids: Iterable[bytes], now_ns: int

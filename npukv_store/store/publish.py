@@ -30,6 +30,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import lmdb
 
 from npukv_store.config import StoreConfig
+from npukv_store.keying import DEFAULT_TENANT
+from npukv_store.store.admitter import Admitter
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.deferred import DEFERRED_SHARE, DeferredUnlinks
 from npukv_store.store.directory import CacheDir
@@ -67,14 +69,23 @@ class Publisher:
         self.deferred = DeferredUnlinks(
             int(config.evict_grace_s * 1e9), int(config.capacity * DEFERRED_SHARE)
         )
+        #: which blocks of a save are written (None: all; the store sets it)
+        self.admitter: Admitter | None = None
 
     # -- claims ------------------------------------------------------------------
 
-    def claim(self, keys: Sequence[bytes]) -> list[int]:
-        """Indices of the ``keys`` to write: not stored, and claimed now by this
-        process (not held by another live writer, nor twice in ``keys``)."""
+    def claim(self, keys: Sequence[bytes], tenant: bytes = DEFAULT_TENANT) -> list[int]:
+        """Indices of the ``keys`` to write: not stored, admitted (the
+        leading run the :attr:`admitter` takes: docs/decisions/0069), and
+        claimed now by this process (not held by another live writer, nor
+        twice in ``keys``)."""
         locations = self.index.locate(keys)
         absent = [i for i, loc in enumerate(locations) if loc is None]
+        if absent and self.admitter is not None:
+            run = self.admitter.admit([keys[i] for i in absent], tenant)
+            if run < len(absent):
+                self.counters.add(declined_blocks=len(absent) - run)
+                absent = absent[:run]
         if not absent:
             return []
         try:
@@ -120,6 +131,8 @@ class Publisher:
         self.sweep_deferred()
         try:
             with self._transact() as doomed, _lmdb_errors(self.index.path):
+                if self.admitter is not None:
+                    self.admitter.note_written(record.size_bytes, record.tenant)
                 result = self.index.commit_chunk(
                     record,
                     capacity_bytes=self.config.capacity,
@@ -127,6 +140,7 @@ class Publisher:
                     touched=touched,
                     unlinked=self.take_unlinked(),
                     parents=parents,
+                    in_txn=None if self.admitter is None else self.admitter.in_txn(),
                 )
                 doomed.extend(self.deferred.split(result.victims))
         except BaseException:
@@ -177,7 +191,11 @@ class Publisher:
             return []
         young_after = time.time_ns() - int(self.config.evict_grace_s * 1e9)
         with self._transact() as doomed:
-            victims = self.index.evict(excess, young_after_ns=young_after)
+            victims = self.index.evict(
+                excess,
+                young_after_ns=young_after,
+                in_txn=None if self.admitter is None else self.admitter.in_txn(),
+            )
             doomed.extend(victims)
         self.counters.add(evicted_chunks=len(victims))
         return victims

@@ -41,6 +41,8 @@ from npukv_store.io.writer import Event
 from npukv_store.keying import DEFAULT_TENANT, KeyDomain
 from npukv_store.spec import NamespaceSpec
 from npukv_store.store import recovery
+from npukv_store.store.admission import AdmissionTuning
+from npukv_store.store.admitter import Admitter
 from npukv_store.store.arrays import input_rows, merge_reads
 from npukv_store.store.claims import ClaimTable
 from npukv_store.store.directory import CacheDir
@@ -84,10 +86,12 @@ class KVStore:
         spec: NamespaceSpec,
         *,
         read_tuning: ReadTuning | None = None,
+        admission_tuning: AdmissionTuning | None = None,
         _parent: KVStore | None = None,
     ) -> None:
         self.config = config
         self.spec = spec
+        self._admission_tuning = admission_tuning
         self.fingerprint = namespace_fingerprint(spec)
         self.namespace = self.fingerprint.hex()
         self.dir = CacheDir.for_config(config)
@@ -142,6 +146,12 @@ class KVStore:
         )  # fmt: skip
         # the flush also unlinks deferred files whose grace is over (0070)
         self.touches.after_flush = self.publisher.sweep_deferred
+        self.admitter = Admitter(
+            lambda: self.index, self.config, self.spec.block_bytes, self.counters,
+            self._admission_tuning,
+        )  # fmt: skip
+        self.publisher.admitter = self.admitter if self.admitter.active else None
+        self.touches.also = self.admitter.due if self.admitter.active else None
 
     @property
     def _sync(self) -> bool:
@@ -216,7 +226,7 @@ class KVStore:
         """
         self._check_fork()
         rows = input_rows(self.spec, keys, tensors)
-        fresh = self._claim(keys)
+        fresh = self._claim(keys, tenant)
         try:
             return self._put_claimed(
                 keys, rows, fresh, tenant, self._parents(keys, fresh, parent)
@@ -224,10 +234,10 @@ class KVStore:
         finally:
             self._release_claims([keys[i] for i in fresh])
 
-    def _claim(self, keys: Sequence[bytes]) -> list[int]:
-        """Indices of keys not stored and not being written by a live process;
-        claims them for this one."""
-        return self.publisher.claim(keys)
+    def _claim(self, keys: Sequence[bytes], tenant: bytes) -> list[int]:
+        """Indices of keys not stored, not being written by a live process
+        and admitted (:mod:`.admission`); claims them for this one."""
+        return self.publisher.claim(keys, tenant)
 
     def _parents(
         self, keys: Sequence[bytes], fresh: list[int], parent: Parent
@@ -295,7 +305,7 @@ class KVStore:
         self._check_fork()
         rows = input_rows(self.spec, keys, tensors)
         try:
-            fresh = self._claim(keys)
+            fresh = self._claim(keys, tenant)
         except OSError as exc:  # no room for the claims: the save is dropped
             self._drop_unclaimed(len(keys), exc)
             return PutResult(stored=0, skipped=0, rejected=0, dropped=len(keys))
@@ -339,7 +349,7 @@ class KVStore:
         """
         self._check_fork()
         try:
-            fresh = self._claim(keys)
+            fresh = self._claim(keys, tenant)
         except OSError as exc:  # no room for the claims: the save is dropped
             self._drop_unclaimed(len(keys), exc)
             return None
@@ -462,6 +472,8 @@ class KVStore:
         found = [loc is not None for loc in self.index.locate(keys)]
         hits = [key for key, hit in zip(keys, found, strict=True) if hit]
         self.touches.note_keys(hits)
+        if self.admitter.note_asked(keys):
+            self.touches.wake()
         self.counters.add(lookups=1, hit_blocks=sum(found), lookup_blocks=len(keys))
         return found
 
@@ -481,6 +493,8 @@ class KVStore:
         count = self.index.lookup_prefix(keys)
         if count:
             self.touches.note_keys(keys[:count])
+        if self.admitter.note_asked(keys):
+            self.touches.wake()
         self.counters.add(lookups=1, hit_blocks=count, lookup_blocks=len(keys))
         return count
 

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from npukv_store.store.index import Index
+from npukv_store.store.index import Index, InTxn
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,9 @@ class TouchRecorder:
         self.after_flush: Callable[[], object] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: more for the flush's transaction to do (admission's pending
+        #: changes: :mod:`.admitter`), or None
+        self.also: Callable[[], InTxn | None] | None = None
 
     def note_keys(self, keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -61,6 +64,10 @@ class TouchRecorder:
         """A chunk a lookup found; chunks are noted in chain order."""
         with self._lock:
             self._noted[b"c" + chunk_id.to_bytes(8, "little")] = None
+        self._ensure_thread()
+
+    def wake(self) -> None:
+        """Make sure the flusher runs (for :attr:`also`'s pending changes)."""
         self._ensure_thread()
 
     def _ensure_thread(self) -> None:
@@ -93,9 +100,10 @@ class TouchRecorder:
     def flush(self) -> None:
         """Write pending touches to the index now."""
         chunk_ids = self.take()
-        if chunk_ids:
+        extra = self.also() if self.also is not None else None
+        if chunk_ids or extra is not None:
             try:
-                self._index().touch(chunk_ids, time.time_ns())
+                self._index().touch(chunk_ids, time.time_ns(), in_txn=extra)
             except Exception as exc:  # a cache hint: losing it only ages the chunk
                 logger.warning("LRU touch failed: %s", exc)
         if self.after_flush is not None:

@@ -207,13 +207,13 @@ def test_stats_admission_declined_lost_hits_and_per_tenant(
     assert (found["lost_hit_blocks"], found["written_bytes"]) == (0, 0)
     assert found["ghost_blocks"] == 1
     assert found["budget_left_bytes"] is None
-    assert found["auto_choice"] == "write-all"  # no shadow hits yet
+    assert found["auto_choice"] == "second sight"  # no shadow hit yet
     assert main(["stats", root]) == 0
     out = capsys.readouterr().out
     rows = pairs_of(out, "admission")
     assert rows["declined blocks"] == "1"
     assert rows["admitted blocks"] == "0"
-    assert rows["auto's choice"] == "write-all"
+    assert rows["auto's choice"] == "second sight"
     assert "write budget left" not in rows
     assert "admission by tenant" not in out  # one tenant
 
@@ -234,7 +234,7 @@ def test_stats_admission_declined_lost_hits_and_per_tenant(
     }  # fmt: skip
     assert (found["declined_blocks"], found["lost_hit_blocks"]) == (2, 1)
     assert (found["admitted_blocks"], found["written_bytes"]) == (1, written)
-    assert found["ghost_blocks"] == 1  # the default's left it when written
+    assert found["ghost_blocks"] == 2  # a written block stays: seen before
     assert main(["stats", root]) == 0
     out = capsys.readouterr().out
     rows = pairs_of(out, "admission")
@@ -268,11 +268,13 @@ def test_stats_admission_counts_writes_evicted_unread(tmp_path, capsys):
 
 
 class FakeAdmissionIndex:
-    def __init__(self, hits_all, hits_second_sight, budget=None):
+    def __init__(self, hits_all, hits_second_sight, writes_all, budget=None):
         self.state = {
             "shadow_hits_all": hits_all,
             "shadow_hits_second_sight": hits_second_sight,
             "shadow_asks": 400.0,
+            "shadow_writes_all": writes_all,
+            "shadow_writes_second_sight": 20.0,
             "tables": {"shadow_all": 7, "shadow_second_sight": 6,
                        "shadow_ghost": 5, "ghost": 42},
             "budget": budget,
@@ -284,18 +286,21 @@ class FakeAdmissionIndex:
 
 
 @pytest.mark.parametrize(
-    ("hits_all", "hits_second_sight", "choice"),
-    [(0.0, 0.0, "write-all"), (106.0, 100.0, "write-all"),
-     (105.0, 100.0, "second sight"), (50.0, 100.0, "second sight")],
+    ("hits_all", "hits_second_sight", "writes_all", "choice"),
+    # write-all only while each write it adds brings over 0.1 hit more
+    [(0.0, 0.0, 0.0, "second sight"), (106.0, 100.0, 70.0, "write-all"),
+     (105.0, 100.0, 70.0, "second sight"), (50.0, 100.0, 20.0, "second sight")],
 )  # fmt: skip
 def test_auto_choice_is_write_all_only_by_a_margin(
-    hits_all, hits_second_sight, choice, capsys, monkeypatch
+    hits_all, hits_second_sight, writes_all, choice, capsys, monkeypatch
 ):
     from npukv_store.cli.reports import admission_report
 
     monkeypatch.setattr(cli_render, "USE_RICH", False)
     budget = {"tokens_bytes": 3072.5, "updated_ns": 10**18}
-    found = admission_report(FakeAdmissionIndex(hits_all, hits_second_sight, budget))
+    found = admission_report(
+        FakeAdmissionIndex(hits_all, hits_second_sight, writes_all, budget)
+    )
     assert found["auto_choice"] == choice
     assert (found["ghost_blocks"], found["budget_left_bytes"]) == (42, 3072.5)
     assert found["tenants"]["0000000000000000"]["admitted_blocks"] == 0

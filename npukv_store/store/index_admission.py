@@ -1,0 +1,235 @@
+"""The admission state of a cache directory, in the index's ``admission``
+database: shared by every process on the directory, changed only inside the
+index's write transactions (docs/decisions/0069).
+
+Runs in: any process with a store handle, inside an :class:`.Index`
+transaction it is given (this module opens none).
+
+Keys of the database (``n`` is a table's one-byte name; key prefixes and
+sequence numbers are u64 big-endian, so each table's order is byte order):
+
+    n + b"k" + prefix -> seq          a table's members
+    n + b"q" + seq    -> prefix       their order, oldest first
+    n + b"#"          -> u64          its size
+    b"seq"            -> u64          the last sequence number given out
+    b"scores"         -> 3 × f64      the shadows' decayed hits and asks
+    b"bucket"         -> f64, u64     the write budget's bytes and their time
+    b"c" + tenant + name -> u64       directory-wide counters per tenant
+
+Tables: ``e`` and ``s`` the write-all and second-sight shadow caches, ``h``
+the second-sight shadow's ghost, ``g`` the directory's ghost of declined
+blocks (what second sight admits on). Each is bounded by its caller's trim,
+so the database holds at most ``ghost_max`` plus three shadow sizes of
+entries, whatever the traffic.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping
+
+import lmdb
+
+from npukv_store.store.admission import Scores, TokenBucket
+
+U64 = struct.Struct(">Q")
+BUCKET = struct.Struct("<dQ")
+EVERY, SECOND, SHADOW_GHOST, GHOST = b"e", b"s", b"h", b"g"
+COUNTERS = (
+    "admitted_blocks",
+    "declined_blocks",
+    "lost_hit_blocks",
+    "wasted_write_blocks",
+    "written_bytes",
+)
+
+
+class SeqCounter:
+    """The database's sequence counter, read once per transaction."""
+
+    def __init__(self, txn: lmdb.Transaction, db: lmdb._Database) -> None:
+        raw = txn.get(b"seq", db=db)
+        self.txn, self.db = txn, db
+        self.value = U64.unpack(raw)[0] if raw else 0
+
+    def next(self) -> int:
+        self.value += 1
+        return self.value
+
+    def write(self) -> None:
+        self.txn.put(b"seq", U64.pack(self.value), db=self.db)
+
+
+class LmdbKeys:
+    """One table as :class:`.admission.OrderedKeys`, in a write transaction."""
+
+    def __init__(
+        self, txn: lmdb.Transaction, db: lmdb._Database, name: bytes, seq: SeqCounter
+    ) -> None:
+        self.txn, self.db, self.seq = txn, db, seq
+        self._k, self._q, self._n = name + b"k", name + b"q", name + b"#"
+        raw = txn.get(self._n, db=db)
+        self._size = U64.unpack(raw)[0] if raw else 0
+
+    def __contains__(self, key: int) -> bool:
+        return self.txn.get(self._k + U64.pack(key), db=self.db) is not None
+
+    def __len__(self) -> int:
+        return self._size
+
+    def _resize(self, delta: int) -> None:
+        self._size += delta
+        self.txn.put(self._n, U64.pack(self._size), db=self.db)
+
+    def push(self, key: int) -> None:
+        member = self._k + U64.pack(key)
+        old = self.txn.get(member, db=self.db)
+        if old is not None:
+            self.txn.delete(self._q + old, db=self.db)
+        seq = U64.pack(self.seq.next())
+        self.txn.put(member, seq, db=self.db)
+        self.txn.put(self._q + seq, U64.pack(key), db=self.db)
+        if old is None:
+            self._resize(1)
+
+    def discard(self, key: int) -> bool:
+        member = self._k + U64.pack(key)
+        old = self.txn.pop(member, db=self.db)
+        if old is None:
+            return False
+        self.txn.delete(self._q + old, db=self.db)
+        self._resize(-1)
+        return True
+
+    def pop_oldest(self) -> int | None:
+        cursor = self.txn.cursor(db=self.db)
+        if not cursor.set_range(self._q) or not bytes(cursor.key()).startswith(self._q):
+            return None
+        key = bytes(cursor.value())
+        cursor.delete()
+        self.txn.delete(self._k + key, db=self.db)
+        self._resize(-1)
+        return int(U64.unpack(key)[0])
+
+
+def in_ghost(
+    txn: lmdb.Transaction, db: lmdb._Database, prefixes: Iterable[int]
+) -> list[bool]:
+    """Per key prefix, whether the directory's ghost holds it (a read)."""
+    member = GHOST + b"k"
+    return [txn.get(member + U64.pack(p), db=db) is not None for p in prefixes]
+
+
+def scores(txn: lmdb.Transaction, db: lmdb._Database) -> Scores:
+    raw = txn.get(b"scores", db=db)
+    return Scores.unpack(None if raw is None else bytes(raw))
+
+
+def write_scores(txn: lmdb.Transaction, db: lmdb._Database, value: Scores) -> None:
+    txn.put(b"scores", value.pack(), db=db)
+
+
+def bucket(txn: lmdb.Transaction, db: lmdb._Database, size: float) -> TokenBucket:
+    """The write budget's bucket (full when none was recorded)."""
+    raw = txn.get(b"bucket", db=db)
+    if raw is None or len(raw) != BUCKET.size:
+        return TokenBucket(size, 0)
+    tokens, updated = BUCKET.unpack(raw)
+    return TokenBucket(tokens, updated)
+
+
+def write_bucket(txn: lmdb.Transaction, db: lmdb._Database, value: TokenBucket) -> None:
+    txn.put(b"bucket", BUCKET.pack(value.tokens, value.updated_ns), db=db)
+
+
+def add_counters(
+    txn: lmdb.Transaction, db: lmdb._Database, deltas: Mapping[bytes, Mapping[str, int]]
+) -> None:
+    """Add per-tenant counter deltas (tenant -> name -> delta)."""
+    for tenant, named in deltas.items():
+        for name, delta in named.items():
+            if not delta:
+                continue
+            key = b"c" + tenant + name.encode()
+            raw = txn.get(key, db=db)
+            txn.put(key, U64.pack((U64.unpack(raw)[0] if raw else 0) + delta), db=db)
+
+
+def counters(txn: lmdb.Transaction, db: lmdb._Database) -> dict[bytes, dict[str, int]]:
+    """tenant -> counter -> value, as recorded by every process."""
+    out: dict[bytes, dict[str, int]] = {}
+    cursor = txn.cursor(db=db)
+    if not cursor.set_range(b"c"):
+        return out
+    for key, value in cursor.iternext():
+        if not bytes(key).startswith(b"c"):
+            break
+        tenant, name = bytes(key[1:9]), bytes(key[9:]).decode()
+        out.setdefault(tenant, {})[name] = U64.unpack(value)[0]
+    return out
+
+
+def table_sizes(txn: lmdb.Transaction, db: lmdb._Database) -> dict[str, int]:
+    """Entries of each table (for stats, and the tests' bound)."""
+    sizes = {}
+    for name, label in (
+        (EVERY, "shadow_all"),
+        (SECOND, "shadow_second_sight"),
+        (SHADOW_GHOST, "shadow_ghost"),
+        (GHOST, "ghost"),
+    ):
+        raw = txn.get(name + b"#", db=db)
+        sizes[label] = U64.unpack(raw)[0] if raw else 0
+    return sizes
+
+
+def report(txn: lmdb.Transaction, db: lmdb._Database) -> dict[str, object]:
+    """The directory's admission state, for ``npukv stats``: the shadows'
+    scores, the tables' sizes, the budget's bucket, the counters per tenant
+    (hex of its 8-byte id)."""
+    found = scores(txn, db)
+    raw = txn.get(b"bucket", db=db)
+    budget = None
+    if raw is not None and len(raw) == BUCKET.size:
+        tokens, updated = BUCKET.unpack(raw)
+        budget = {"tokens_bytes": tokens, "updated_ns": updated}
+    return {
+        "shadow_hits_all": found.hits_all,
+        "shadow_hits_second_sight": found.hits_second_sight,
+        "shadow_asks": found.asks,
+        "shadow_writes_all": found.writes_all,
+        "shadow_writes_second_sight": found.writes_second_sight,
+        "tables": table_sizes(txn, db),
+        "budget": budget,
+        "tenants": {t.hex(): named for t, named in counters(txn, db).items()},
+    }
+
+
+def check(txn: lmdb.Transaction, db: lmdb._Database) -> list[str]:
+    """What is inconsistent in the tables (empty: nothing): each member's
+    order entry points back at it, and each recorded size is the count."""
+    problems = []
+    for name in (EVERY, SECOND, SHADOW_GHOST, GHOST):
+        members: dict[bytes, bytes] = {}
+        order: dict[bytes, bytes] = {}
+        cursor = txn.cursor(db=db)
+        for part, into in ((b"k", members), (b"q", order)):
+            prefix = name + part
+            if cursor.set_range(prefix):
+                for key, value in cursor.iternext():
+                    if not bytes(key).startswith(prefix):
+                        break
+                    into[bytes(key[2:])] = bytes(value)
+        raw = txn.get(name + b"#", db=db)
+        size = U64.unpack(raw)[0] if raw else 0
+        label = name.decode()
+        if not len(members) == len(order) == size:
+            problems.append(
+                f"table {label}: {len(members)} members, {len(order)} in order, "
+                f"size {size}"
+            )
+        for key, seq in members.items():
+            if order.get(seq) != key:
+                problems.append(f"table {label}: member {key.hex()} not in order")
+                break
+    return problems
