@@ -280,12 +280,18 @@ class _Admission:
         if not save:
             return hit
         r, ghost = self.result, self.ghost
-        mode = choose_mode(self.policy, self.scores, 1.0, self.tuning)
+        mode = choose_mode(
+            self.policy, self.scores, 1.0, self.tuning, self.shadow.capacity
+        )
         r.modes[mode.name] = r.modes.get(mode.name, 0) + 1
         r.lost_hits += sum(key in ghost for key in save)
         n = admitted_run(mode, save, ghost.__contains__)
+        remember_all = self.tuning.ghost_keeps_written
         for key in save[:n]:
-            ghost.discard(key)
+            if remember_all:
+                ghost.push(key)
+            else:
+                ghost.discard(key)
         for key in save[n:]:
             ghost.push(key)
         trim(ghost, self.ghost_limit)

@@ -265,7 +265,10 @@ def parse_grid(specs: list[str]) -> list[AdmissionTuning]:
         name, _, values = spec.partition("=")
         if name not in names:
             raise SystemExit(f"unknown AdmissionTuning field {name!r}")
-        cast = int if "int" in str(names[name]) else float
+        kind = str(names[name])
+        cast: Any = int if "int" in kind else float
+        if "bool" in kind:
+            cast = lambda v: v.strip().lower() in ("1", "true", "yes")  # noqa: E731
         axes.append([(name, cast(v)) for v in values.split(",")])
     combos: list[dict[str, Any]] = [dict(c) for c in itertools.product(*axes)]
     return [AdmissionTuning(**combo) for combo in combos]
