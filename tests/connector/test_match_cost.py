@@ -147,3 +147,24 @@ def test_the_hit_is_every_ranks_common_stored_prefix(saves):
                 truth = min(truth, store.lookup(keys[rank][0]))
         assert side.match(make_request("r", tokens), 0) == truth * BLOCK
         side.close()
+
+
+def test_the_schedulers_lookups_feed_the_admission_shadow(tmp_path):
+    """auto's shadow must see vLLM's requests: the scheduler's hit search
+    (not KVStore.lookup) hands each request's chain to the admitter once (a
+    retry adds nothing), and the touch flush applies it to the shared
+    shadow. Without it the shadows never warm up and auto writes all."""
+    cfg = settings(tmp_path, capacity="1MiB")
+    side = SchedulerSide(*engine_config(tp=2), cfg)
+    assert side.store.admitter.capacity_blocks <= 4096  # every key sampled
+    tokens = list(range(2 * CHUNK * BLOCK + 1))
+    request = make_request("r", tokens)
+    side.match(request, 0)
+    side.match(request, 0)  # vLLM asks again: no second lookup
+    side.store.flush_touches()
+    report = side.store.index.admission_report()
+    sampled = side.store.admitter._sampled(side._state(request).links[0])
+    assert len(sampled) == 2 * CHUNK
+    assert report["shadow_asks"] == len(sampled)
+    assert report["tables"]["shadow_all"] == len(set(sampled))
+    side.close()

@@ -47,6 +47,8 @@ def stored_prefix(
     stores. The group's chain must reach ``upper``."""
     index = store.index
     links = state.links[group][:upper]
+    if store.admitter.note_asked(links):  # auto's shadow sees every request
+        store.touches.wake()
     count = index.lookup_prefix(links)
     located = index.locate(links[:count]) if count else []
     for i, loc in enumerate(located):
