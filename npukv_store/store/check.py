@@ -57,6 +57,7 @@ def check_store(
         problems.append(
             f"tenant ledger {_hex(ledger)} != chunk sizes per tenant {_hex(by_tenant)}"
         )
+    problems += [f"admission: {p}" for p in index.admission_problems()]
     lru = dict((cid, ns) for ns, cid in index.iter_lru())
     expected_lru = {cid: r.last_access_ns for cid, r in records.items() if not r.pinned}
     if lru != expected_lru:

@@ -166,3 +166,20 @@ def test_check_reports_a_size_that_lies(tmp_path):
     with env.begin() as txn:
         assert table.check(txn, db) == ["table g: 2 members, 2 in order, size 3"]
     env.close()
+
+
+def test_store_check_reports_inconsistent_admission_tables(tmp_path):
+    """``npukv verify`` (KVStore.check) names a broken admission table."""
+    from npukv_store import KVStore
+    from npukv_store.config import StoreConfig
+    from tests.support.blocks import block_tensors, tiny_spec
+
+    config = StoreConfig(cache_dir=str(tmp_path / "c"), admission="second_sight")
+    with KVStore(config, tiny_spec()) as store:
+        keys = store.keys_for(range(16))
+        store.put(keys, block_tensors(store.spec, keys))  # declined: in the ghost
+        assert store.check() == []
+        index = store.index
+        with index._env.begin(write=True) as txn:
+            txn.put(table.GHOST + b"#", table.U64.pack(5), db=index.admission_db)
+        assert store.check() == ["admission: table g: 1 members, 1 in order, size 5"]
