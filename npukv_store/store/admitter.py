@@ -80,7 +80,8 @@ class Admitter:
         self.bucket_size = self.rate * BUDGET_WINDOW_S
         self._lock = threading.Lock()
         self._asks: list[tuple[bytes, ...]] = []  # lookups' chains
-        self._ghost_add: dict[int, None] = {}  # declined, not yet in the ghost
+        #: blocks for the ghost, not yet in it -> whether declined
+        self._ghost_add: dict[int, bool] = {}
         self._ghost_drop: set[int] = set()  # admitted from the ghost
         self._deltas: dict[bytes, dict[str, int]] = {}
         self._written = 0
@@ -132,34 +133,41 @@ class Admitter:
         prefixes = [key_prefix(k) for k in keys]
         mode = self.mode
         with self._lock:
-            pending = {p for p in prefixes if p in self._ghost_add}
+            pending = {p: self._ghost_add[p] for p in prefixes if p in self._ghost_add}
         try:
             index = self._index()
             with index.begin_read() as txn:
-                stored = table.in_ghost(txn, index.admission_db, prefixes)
+                tags = table.in_ghost(txn, index.admission_db, prefixes)
         except lmdb.Error:  # a hint: without it, nothing was seen before
-            stored = [False] * len(prefixes)
-        seen = {p for p, s in zip(prefixes, stored, strict=True) if s} | pending
+            tags = [None] * len(prefixes)
+        declined = {
+            p: tag == table.DECLINED
+            for p, tag in zip(prefixes, tags, strict=True)
+            if tag is not None
+        }
+        declined.update(pending)
+        seen = set(declined)
+        lost = sum(declined.values())  # declined before, brought again
         run = admitted_run(mode, prefixes, seen.__contains__)
         remember_written = self.tuning.ghost_keeps_written
         with self._lock:
             for p in prefixes[:run]:
                 if remember_written:  # refreshed: it stays "seen"
                     if len(self._ghost_add) < MAX_PENDING_GHOST:
-                        self._ghost_add[p] = None
+                        self._ghost_add[p] = False
                 elif p in seen:
                     self._ghost_drop.add(p)
                     self._ghost_add.pop(p, None)
             for p in prefixes[run:]:
                 if len(self._ghost_add) < MAX_PENDING_GHOST:
-                    self._ghost_add[p] = None
+                    self._ghost_add[p] = True
         self._count(
             tenant,
             admitted_blocks=run,
             declined_blocks=len(keys) - run,
-            lost_hit_blocks=len(seen),
+            lost_hit_blocks=lost,
         )
-        self.counters.add(lost_hit_blocks=len(seen))
+        self.counters.add(lost_hit_blocks=lost)
         return run
 
     def note_written(self, nbytes: int, tenant: bytes) -> None:
@@ -218,7 +226,7 @@ class Admitter:
         txn: lmdb.Transaction,
         db: lmdb._Database,
         asks: list[int],
-        ghost_add: dict[int, None],
+        ghost_add: dict[int, bool],
         ghost_drop: set[int],
         written: int,
     ) -> None:
@@ -242,8 +250,8 @@ class Admitter:
             ghost = table.LmdbKeys(txn, db, table.GHOST, seq)
             for prefix in ghost_drop:
                 ghost.discard(prefix)
-            for prefix in ghost_add:
-                ghost.push(prefix)
+            for prefix, was_declined in ghost_add.items():
+                ghost.push(prefix, table.DECLINED if was_declined else b"")
             trim(ghost, self.ghost_limit)
         seq.write()
         budget_left = 1.0

@@ -8,7 +8,8 @@ transaction it is given (this module opens none).
 Keys of the database (``n`` is a table's one-byte name; key prefixes and
 sequence numbers are u64 big-endian, so each table's order is byte order):
 
-    n + b"k" + prefix -> seq          a table's members
+    n + b"k" + prefix -> seq [+ tag]  a table's members (the ghost tags a
+                                      block declined: b"d")
     n + b"q" + seq    -> prefix       their order, oldest first
     n + b"#"          -> u64          its size
     b"seq"            -> u64          the last sequence number given out
@@ -81,13 +82,13 @@ class LmdbKeys:
         self._size += delta
         self.txn.put(self._n, U64.pack(self._size), db=self.db)
 
-    def push(self, key: int) -> None:
+    def push(self, key: int, tag: bytes = b"") -> None:
         member = self._k + U64.pack(key)
         old = self.txn.get(member, db=self.db)
         if old is not None:
-            self.txn.delete(self._q + old, db=self.db)
+            self.txn.delete(self._q + bytes(old)[: U64.size], db=self.db)
         seq = U64.pack(self.seq.next())
-        self.txn.put(member, seq, db=self.db)
+        self.txn.put(member, seq + tag, db=self.db)
         self.txn.put(self._q + seq, U64.pack(key), db=self.db)
         if old is None:
             self._resize(1)
@@ -97,7 +98,7 @@ class LmdbKeys:
         old = self.txn.pop(member, db=self.db)
         if old is None:
             return False
-        self.txn.delete(self._q + old, db=self.db)
+        self.txn.delete(self._q + bytes(old)[: U64.size], db=self.db)
         self._resize(-1)
         return True
 
@@ -112,12 +113,17 @@ class LmdbKeys:
         return int(U64.unpack(key)[0])
 
 
+DECLINED = b"d"  # the ghost's tag of a block it holds because it was declined
+
+
 def in_ghost(
     txn: lmdb.Transaction, db: lmdb._Database, prefixes: Iterable[int]
-) -> list[bool]:
-    """Per key prefix, whether the directory's ghost holds it (a read)."""
+) -> list[bytes | None]:
+    """Per key prefix, its tag in the directory's ghost (b"" or
+    :data:`DECLINED`), or None where the ghost does not hold it (a read)."""
     member = GHOST + b"k"
-    return [txn.get(member + U64.pack(p), db=db) is not None for p in prefixes]
+    found = (txn.get(member + U64.pack(p), db=db) for p in prefixes)
+    return [None if raw is None else bytes(raw)[U64.size :] for raw in found]
 
 
 def scores(txn: lmdb.Transaction, db: lmdb._Database) -> Scores:
@@ -229,7 +235,7 @@ def check(txn: lmdb.Transaction, db: lmdb._Database) -> list[str]:
                 f"size {size}"
             )
         for key, seq in members.items():
-            if order.get(seq) != key:
+            if order.get(seq[: U64.size]) != key:
                 problems.append(f"table {label}: member {key.hex()} not in order")
                 break
     return problems

@@ -183,3 +183,30 @@ def test_store_check_reports_inconsistent_admission_tables(tmp_path):
         with index._env.begin(write=True) as txn:
             txn.put(table.GHOST + b"#", table.U64.pack(5), db=index.admission_db)
         assert store.check() == ["admission: table g: 1 members, 1 in order, size 5"]
+
+
+def test_a_lost_hit_is_a_block_declined_then_brought_again(tmp_path):
+    """Blocks written (while auto warms up), evicted and brought again are
+    not lost hits; blocks second sight declined and a save brings again
+    are, once each."""
+    from npukv_store import KVStore
+    from npukv_store.config import StoreConfig
+    from tests.support.blocks import block_tensors, tiny_spec
+
+    root = str(tmp_path / "c")
+    config = StoreConfig(cache_dir=root, capacity="24KiB", evict_grace_s=0)
+    with KVStore(config, tiny_spec()) as store:
+        first = store.keys_for(range(16))
+        assert store.put(first, block_tensors(store.spec, first)).stored == 1
+        for start in range(100, 700, 100):  # push it out
+            keys = store.keys_for(range(start, start + 16))
+            store.put(keys, block_tensors(store.spec, keys))
+        assert store.lookup(first) == 0
+        store.put(first, block_tensors(store.spec, first))
+        assert store.counters.snapshot()["lost_hit_blocks"] == 0
+    config = StoreConfig(cache_dir=root, capacity="24KiB", admission="second_sight")
+    with KVStore(config, tiny_spec()) as store:
+        fresh = store.keys_for(range(900, 916))
+        assert store.put(fresh, block_tensors(store.spec, fresh)).stored == 0
+        assert store.put(fresh, block_tensors(store.spec, fresh)).stored == 1
+        assert store.counters.snapshot()["lost_hit_blocks"] == 1
