@@ -8,6 +8,7 @@ Helpers: tests/support/remote.py; the ``nodes`` fixture: conftest.py.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import numpy as np
@@ -25,6 +26,7 @@ from tests.support.remote import (
     load_buffer,
     make_keys,
     put_through,
+    wait_until,
 )
 
 # -- write-through and reads from another node -----------------------------------------
@@ -152,35 +154,68 @@ def test_begin_save_writes_through_unless_told_not_to(nodes):
     assert np.array_equal(out, expected_values(spec, fresh, tier.keys.mac_key))
 
 
+class GatedProbes:
+    """A tier's real client whose batch_is_exist first waits for ``gate``
+    (60 s at most: a generous deadline to fail by); ``inside``: probes held
+    at the gate now, ``probes``: probes sent."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self.gate = threading.Event()
+        self.inside = 0
+        self.probes = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    def batch_is_exist(self, names):
+        self.probes += 1
+        self.inside += 1
+        try:
+            self.gate.wait(60.0)
+        finally:
+            self.inside -= 1
+        return self._client.batch_is_exist(names)
+
+
 def test_lookup_waits_no_longer_than_asked(nodes):
+    """lookup(wait_s=0) never waits for the master: it answers None while
+    its probe is held in the client, the count once the probe is back, 0
+    for a chain found absent, and a chain seen present from its cache,
+    sending nothing, even while a probe would be held."""
     spec = tiny_spec()
     fingerprint = namespace_fingerprint(spec)
     writer = nodes.tier()
     put_through(nodes.store(writer, spec), make_keys("wait", 8))
     keys = make_keys("wait", 8)
     reader = nodes.tier(segment=0)
-    answers, slowest = [], 0.0
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:
-        began = time.perf_counter()
-        answer = reader.lookup(fingerprint, keys, 0.0)
-        slowest = max(slowest, time.perf_counter() - began)
-        answers.append(answer)
-        if answer is not None:
+    reader._client = client = GatedProbes(reader._client)
+    assert reader.lookup(fingerprint, keys, 0.0) is None, "it waited for its probe"
+    assert wait_until(lambda: client.inside == 1, 10.0)  # the probe, held
+    for _ in range(5):
+        assert reader.lookup(fingerprint, keys, 0.0) is None
+        assert client.inside == 1, "lookup(wait_s=0) waited for its probe"
+    assert client.probes == 1
+    client.gate.set()
+    answers = []
+    for _ in range(1000):  # 10 s at most
+        answers.append(reader.lookup(fingerprint, keys, 0.0))
+        if answers[-1] is not None:
             break
-        time.sleep(0.001)
+        time.sleep(0.01)
     assert answers[-1] == 8, answers
     assert set(answers[:-1]) <= {None}, answers
-    assert slowest < 0.02, f"lookup(wait_s=0) took {slowest * 1e3:.1f} ms"
     # an unknown chain is answered 0 once its probe is back, and a chain
-    # seen present is answered from the cache at once
+    # seen present is answered from the cache with no probe sent
     unknown = make_keys("wait-unknown", 4)
     first = reader.lookup(fingerprint, unknown, 0.0)
     assert first in (None, 0)
     assert reader.lookup(fingerprint, unknown, 0.5) == 0
-    began = time.perf_counter()
+    client.gate.clear()  # a probe now would be held: None
+    sent = client.probes
     assert reader.lookup(fingerprint, keys, 0.0) == 8
-    assert time.perf_counter() - began < 0.02
+    assert client.probes == sent
+    client.gate.set()
 
 
 # -- namespaces ------------------------------------------------------------------------

@@ -204,7 +204,9 @@ def put_through(store: KVStore, keys: Sequence[bytes], batch: int = 16) -> None:
 class HangingClient:
     """A fake Mooncake client: lookups and loads hang for ``hang_s`` (until
     ``released`` is set), the rest answers at once (``get_size``: not found,
-    so the breaker's health probes succeed)."""
+    so the breaker's health probes succeed). ``inside``: how many calls are
+    hanging in it now (a caller that returned while it is non-zero did not
+    wait for them); ``threads``: the name of each thread that called it."""
 
     def __init__(self, hang_s: float = 3.0, setup_s: float = 0.0, setup_rc: int = 0):
         self.hang_s = hang_s
@@ -215,10 +217,23 @@ class HangingClient:
         self.exists = 0
         self.gets = 0
         self.sizes = 0
+        self.inside = 0
+        self.threads: list[str] = []
+        self._inside_lock = threading.Lock()
+
+    def _hang(self, seconds: float) -> None:
+        self.threads.append(threading.current_thread().name)
+        with self._inside_lock:
+            self.inside += 1
+        try:
+            self.released.wait(seconds)
+        finally:
+            with self._inside_lock:
+                self.inside -= 1
 
     def setup(self, *args) -> int:
         self.setups += 1
-        self.released.wait(self.setup_s)
+        self._hang(self.setup_s)
         return self.setup_rc
 
     def register_buffer(self, address: int, nbytes: int) -> int:
@@ -229,16 +244,17 @@ class HangingClient:
 
     def batch_is_exist(self, names):
         self.exists += 1
-        self.released.wait(self.hang_s)
+        self._hang(self.hang_s)
         return [1] * len(names)
 
     def batch_get_into(self, names, ptrs, sizes):
         self.gets += 1
-        self.released.wait(self.hang_s)
+        self._hang(self.hang_s)
         return [-704] * len(names)
 
     def get_size(self, name) -> int:
         self.sizes += 1
+        self.threads.append(threading.current_thread().name)
         return -704
 
     def batch_put_from(self, names, ptrs, sizes):
