@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import lmdb
@@ -82,12 +83,19 @@ class Admitter:
         self._asks: list[tuple[bytes, ...]] = []  # lookups' chains
         #: blocks for the ghost, not yet in it -> whether declined
         self._ghost_add: dict[int, bool] = {}
+        #: the blocks last handed to a transaction, which may not have
+        #: committed yet when the next save reads the ghost (bounded, oldest
+        #: dropped: the index's ghost is the truth once committed)
+        self._ghost_recent: OrderedDict[int, bool] = OrderedDict()
         self._ghost_drop: set[int] = set()  # admitted from the ghost
         self._deltas: dict[bytes, dict[str, int]] = {}
         self._written = 0
         self.mode = Mode.SECOND_SIGHT if self.policy == "second_sight" else Mode.ALL
         self.scores = Scores()
         self.budget_left = 1.0
+        #: asks the handle to apply the pending changes soon (the touch
+        #: flusher's :meth:`~.touches.TouchRecorder.soon`)
+        self.on_decline: Callable[[], None] | None = None
 
     @property
     def active(self) -> bool:
@@ -133,7 +141,11 @@ class Admitter:
         prefixes = [key_prefix(k) for k in keys]
         mode = self.mode
         with self._lock:
-            pending = {p: self._ghost_add[p] for p in prefixes if p in self._ghost_add}
+            pending = {
+                p: self._ghost_add.get(p, self._ghost_recent.get(p, False))
+                for p in prefixes
+                if p in self._ghost_add or p in self._ghost_recent
+            }
         try:
             index = self._index()
             with index.begin_read() as txn:
@@ -168,6 +180,8 @@ class Admitter:
             lost_hit_blocks=lost,
         )
         self.counters.add(lost_hit_blocks=lost)
+        if run < len(keys) and self.on_decline is not None:
+            self.on_decline()  # no commit follows to carry the ghost entries
         return run
 
     def note_written(self, nbytes: int, tenant: bytes) -> None:
@@ -201,6 +215,12 @@ class Admitter:
             asks, self._asks = self._asks, []
             ghost_add, self._ghost_add = self._ghost_add, {}
             ghost_drop, self._ghost_drop = self._ghost_drop, set()
+            recent = self._ghost_recent
+            for prefix in ghost_drop:
+                recent.pop(prefix, None)
+            recent.update(ghost_add)
+            while len(recent) > MAX_PENDING_GHOST:
+                recent.popitem(last=False)
             deltas, self._deltas = self._deltas, {}
             written, self._written = self._written, 0
         # sampled here, before the transaction: it holds the writer lock

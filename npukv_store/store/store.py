@@ -152,6 +152,7 @@ class KVStore:
         )  # fmt: skip
         self.publisher.admitter = self.admitter if self.admitter.active else None
         self.touches.also = self.admitter.due if self.admitter.active else None
+        self.admitter.on_decline = self.touches.soon
 
     @property
     def _sync(self) -> bool:

@@ -34,6 +34,9 @@ from npukv_store.store.index import Index, InTxn
 logger = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_S = 1.0  # how stale the shared LRU may get for read-only processes
+#: the soonest a flush asked for early (:meth:`TouchRecorder.soon`) follows
+#: the last one: a burst of declined saves costs one transaction, not many
+SOON_GAP_S = 0.02
 
 
 class TouchRecorder:
@@ -50,6 +53,7 @@ class TouchRecorder:
         #: run after each flush (the publisher's deferred unlinks)
         self.after_flush: Callable[[], object] | None = None
         self._stop = threading.Event()
+        self._soon = threading.Event()
         self._thread: threading.Thread | None = None
         #: more for the flush's transaction to do (admission's pending
         #: changes: :mod:`.admitter`), or None
@@ -70,6 +74,14 @@ class TouchRecorder:
         """Make sure the flusher runs (for :attr:`also`'s pending changes)."""
         self._ensure_thread()
 
+    def soon(self) -> None:
+        """Flush within :data:`SOON_GAP_S`, not at the next second: a save
+        declined whole has no commit to carry its ghost entries, and the
+        directory's other processes should see them before they decline the
+        same blocks again (admission, docs/decisions/0069)."""
+        self._soon.set()
+        self._ensure_thread()
+
     def _ensure_thread(self) -> None:
         with self._lock:
             if self._thread is None and not self._stop.is_set():
@@ -79,8 +91,13 @@ class TouchRecorder:
                 self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(FLUSH_INTERVAL_S):
+        while not self._stop.is_set():
+            self._soon.wait(FLUSH_INTERVAL_S)
+            self._soon.clear()
+            if self._stop.is_set():
+                return
             self.flush()
+            self._stop.wait(SOON_GAP_S)
 
     def take(self) -> list[bytes]:
         """Pending chunk ids in the order noted, each once (the lookups'
@@ -115,6 +132,7 @@ class TouchRecorder:
     def stop(self) -> None:
         """Stop the flush thread (waiting for a flush in progress), then flush."""
         self._stop.set()
+        self._soon.set()
         thread = self._thread
         if thread is not None:
             thread.join()
