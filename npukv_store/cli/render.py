@@ -269,10 +269,8 @@ def _admission_sections(report: Mapping[str, Any]) -> list[Pairs | Table]:
         ),
         (
             "ghost",
-            f"{found['ghost_blocks']:,} declined blocks remembered (shadows: "
-            f"{tables.get('shadow_all', 0):,} write-all, "
-            f"{tables.get('shadow_second_sight', 0):,} second sight, "
-            f"{tables.get('shadow_ghost', 0):,} ghost)",
+            f"{found['ghost_blocks']:,} blocks remembered (scores from "
+            f"{tables.get('processes', 0):,} processes)",
         ),
     ]
     if found.get("budget_left_bytes") is not None:

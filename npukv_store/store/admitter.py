@@ -21,10 +21,12 @@ declined a third time.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import lmdb
 import numpy as np
@@ -34,6 +36,7 @@ from npukv_store.store import index_admission as table
 from npukv_store.store.admission import (
     BUDGET_WINDOW_S,
     AdmissionTuning,
+    MemoryKeys,
     Mode,
     Scores,
     Shadow,
@@ -91,8 +94,20 @@ class Admitter:
         self._deltas: dict[bytes, dict[str, int]] = {}
         self._written = 0
         self.mode = Mode.SECOND_SIGHT if self.policy == "second_sight" else Mode.ALL
-        self.scores = Scores()
+        self.scores = Scores()  # the directory's: every process's, summed
         self.budget_left = 1.0
+        #: this process's shadow of both modes, over its own lookups (in
+        #: memory: an ask costs three dict operations, not twenty LMDB ones
+        #: under the writer lock); its scores go to the index, named by
+        #: ``process_id``, and the mode uses every process's
+        self.process_id = secrets.token_bytes(8)
+        self.own_scores = Scores()
+        self.shadow = Shadow(
+            MemoryKeys(), MemoryKeys(), MemoryKeys(), self.shadow_blocks,
+            max(1, int(self.shadow_blocks * self.tuning.ghost_per_block)),
+            self.tuning,
+        )  # fmt: skip
+        self._shadow_lock = threading.Lock()
         #: asks the handle to apply the pending changes soon (the touch
         #: flusher's :meth:`~.touches.TouchRecorder.soon`)
         self.on_decline: Callable[[], None] | None = None
@@ -198,6 +213,16 @@ class Admitter:
 
     # -- the shared state's side --------------------------------------------------
 
+    def _ask_shadow(self, asks: list[tuple[bytes, ...]]) -> Scores:
+        """Run the lookups' sampled keys through this process's shadow,
+        before the transaction (it holds the writer lock); a copy of its
+        scores after them."""
+        with self._shadow_lock:
+            for chain in asks:
+                for prefix in self._sampled(chain):
+                    self.shadow.ask(prefix, self.own_scores)
+            return replace(self.own_scores)
+
     def due(self) -> InTxn | None:
         """:meth:`in_txn` when there is something to apply, or the mode
         must be refreshed (a spent budget refills with no commit); else None
@@ -223,8 +248,7 @@ class Admitter:
                 recent.popitem(last=False)
             deltas, self._deltas = self._deltas, {}
             written, self._written = self._written, 0
-        # sampled here, before the transaction: it holds the writer lock
-        sampled = [p for chain in asks for p in self._sampled(chain)]
+        own = self._ask_shadow(asks) if asks else None
 
         def apply(txn: lmdb.Transaction, victims: Sequence[ChunkRecord]) -> None:
             index = self._index()
@@ -236,7 +260,7 @@ class Admitter:
                         named.get("wasted_write_blocks", 0) + victim.live_rows
                     )
                     self.counters.add(wasted_write_blocks=victim.live_rows)
-            self._apply(txn, db, sampled, ghost_add, ghost_drop, written)
+            self._apply(txn, db, own, ghost_add, ghost_drop, written)
             table.add_counters(txn, db, deltas)
 
         return apply
@@ -245,38 +269,26 @@ class Admitter:
         self,
         txn: lmdb.Transaction,
         db: lmdb._Database,
-        asks: list[int],
+        own: Scores | None,
         ghost_add: dict[int, bool],
         ghost_drop: set[int],
         written: int,
     ) -> None:
         if not self.active:
             return
-        seq = table.SeqCounter(txn, db)
-        scores = table.scores(txn, db)
-        if asks:
-            shadow = Shadow(
-                table.LmdbKeys(txn, db, table.EVERY, seq),
-                table.LmdbKeys(txn, db, table.SECOND, seq),
-                table.LmdbKeys(txn, db, table.SHADOW_GHOST, seq),
-                self.shadow_blocks,
-                max(1, int(self.shadow_blocks * self.tuning.ghost_per_block)),
-                self.tuning,
-            )
-            for prefix in asks:
-                shadow.ask(prefix, scores)
-            table.write_scores(txn, db, scores)
+        now = time.time_ns()
+        scores = table.publish_scores(txn, db, self.process_id, own, now)
         if ghost_add or ghost_drop:
+            seq = table.SeqCounter(txn, db)
             ghost = table.LmdbKeys(txn, db, table.GHOST, seq)
             for prefix in ghost_drop:
                 ghost.discard(prefix)
             for prefix, was_declined in ghost_add.items():
                 ghost.push(prefix, table.DECLINED if was_declined else b"")
             trim(ghost, self.ghost_limit)
-        seq.write()
+            seq.write()
         budget_left = 1.0
         if self.rate > 0:
-            now = time.time_ns()
             bucket = table.bucket(txn, db, self.bucket_size)
             bucket.spend(written, now, self.rate, self.bucket_size)
             table.write_bucket(txn, db, bucket)

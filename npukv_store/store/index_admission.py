@@ -13,29 +13,36 @@ sequence numbers are u64 big-endian, so each table's order is byte order):
     n + b"q" + seq    -> prefix       their order, oldest first
     n + b"#"          -> u64          its size
     b"seq"            -> u64          the last sequence number given out
-    b"scores"         -> 3 × f64      the shadows' decayed hits and asks
+    b"p" + process    -> 5 × f64, u64 a process's shadow scores (decayed hits
+                                      and writes of each mode, asks) and when
+                                      it wrote them
     b"bucket"         -> f64, u64     the write budget's bytes and their time
     b"c" + tenant + name -> u64       directory-wide counters per tenant
 
-Tables: ``e`` and ``s`` the write-all and second-sight shadow caches, ``h``
-the second-sight shadow's ghost, ``g`` the directory's ghost of declined
-blocks (what second sight admits on). Each is bounded by its caller's trim,
-so the database holds at most ``ghost_max`` plus three shadow sizes of
-entries, whatever the traffic.
+One table, ``g``: the directory's ghost of the blocks saves brought (what
+second sight admits on), bounded by its caller's trim. The shadows
+themselves live in each process's memory (over its own lookups); their
+scores are summed over the processes heard from in the last
+:data:`STALE_S` seconds (older records are dropped by the next writer), so
+the database holds at most ``ghost_max`` entries plus one record per
+process, whatever the traffic.
 """
 
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Iterable, Mapping
 
 import lmdb
 
-from npukv_store.store.admission import Scores, TokenBucket
+from npukv_store.store.admission import SCORES, Scores, TokenBucket
 
 U64 = struct.Struct(">Q")
 BUCKET = struct.Struct("<dQ")
-EVERY, SECOND, SHADOW_GHOST, GHOST = b"e", b"s", b"h", b"g"
+GHOST = b"g"
+PROCESS = b"p"
+STALE_S = 600.0  # a process's scores count this long after it wrote them
 COUNTERS = (
     "admitted_blocks",
     "declined_blocks",
@@ -126,13 +133,54 @@ def in_ghost(
     return [None if raw is None else bytes(raw)[U64.size :] for raw in found]
 
 
-def scores(txn: lmdb.Transaction, db: lmdb._Database) -> Scores:
-    raw = txn.get(b"scores", db=db)
-    return Scores.unpack(None if raw is None else bytes(raw))
+def publish_scores(
+    txn: lmdb.Transaction,
+    db: lmdb._Database,
+    process: bytes,
+    own: Scores | None,
+    now_ns: int,
+) -> Scores:
+    """Record ``process``'s scores (None: unchanged), drop the records older
+    than :data:`STALE_S`, and return the sum of the others and its own."""
+    if own is not None:
+        txn.put(PROCESS + process, own.pack() + U64.pack(now_ns), db=db)
+    total, stale = _sum_scores(txn, db, now_ns)
+    for key in stale:
+        txn.delete(key, db=db)
+    return total
 
 
-def write_scores(txn: lmdb.Transaction, db: lmdb._Database, value: Scores) -> None:
-    txn.put(b"scores", value.pack(), db=db)
+def scores(txn: lmdb.Transaction, db: lmdb._Database, now_ns: int) -> Scores:
+    """Every process's fresh scores, summed (a read)."""
+    return _sum_scores(txn, db, now_ns)[0]
+
+
+def _sum_scores(
+    txn: lmdb.Transaction, db: lmdb._Database, now_ns: int
+) -> tuple[Scores, list[bytes]]:
+    total = Scores()
+    stale: list[bytes] = []
+    cursor = txn.cursor(db=db)
+    if not cursor.set_range(PROCESS):
+        return total, stale
+    for raw_key, raw in cursor.iternext():
+        key = bytes(raw_key)
+        if not key.startswith(PROCESS):
+            break
+        value = bytes(raw)
+        if len(value) != SCORES.size + U64.size:
+            stale.append(key)
+            continue
+        if now_ns - U64.unpack(value[SCORES.size :])[0] > STALE_S * 1e9:
+            stale.append(key)
+            continue
+        found = Scores.unpack(value[: SCORES.size])
+        total.hits_all += found.hits_all
+        total.hits_second_sight += found.hits_second_sight
+        total.asks += found.asks
+        total.writes_all += found.writes_all
+        total.writes_second_sight += found.writes_second_sight
+    return total, stale
 
 
 def bucket(txn: lmdb.Transaction, db: lmdb._Database, size: float) -> TokenBucket:
@@ -176,24 +224,24 @@ def counters(txn: lmdb.Transaction, db: lmdb._Database) -> dict[bytes, dict[str,
 
 
 def table_sizes(txn: lmdb.Transaction, db: lmdb._Database) -> dict[str, int]:
-    """Entries of each table (for stats, and the tests' bound)."""
-    sizes = {}
-    for name, label in (
-        (EVERY, "shadow_all"),
-        (SECOND, "shadow_second_sight"),
-        (SHADOW_GHOST, "shadow_ghost"),
-        (GHOST, "ghost"),
-    ):
-        raw = txn.get(name + b"#", db=db)
-        sizes[label] = U64.unpack(raw)[0] if raw else 0
-    return sizes
+    """Entries of the ghost, and process score records (for stats, and the
+    tests' bound)."""
+    raw = txn.get(GHOST + b"#", db=db)
+    processes = 0
+    cursor = txn.cursor(db=db)
+    if cursor.set_range(PROCESS):
+        for key in cursor.iternext(keys=True, values=False):
+            if not bytes(key).startswith(PROCESS):
+                break
+            processes += 1
+    return {"ghost": U64.unpack(raw)[0] if raw else 0, "processes": processes}
 
 
 def report(txn: lmdb.Transaction, db: lmdb._Database) -> dict[str, object]:
     """The directory's admission state, for ``npukv stats``: the shadows'
     scores, the tables' sizes, the budget's bucket, the counters per tenant
     (hex of its 8-byte id)."""
-    found = scores(txn, db)
+    found = scores(txn, db, time.time_ns())
     raw = txn.get(b"bucket", db=db)
     budget = None
     if raw is not None and len(raw) == BUCKET.size:
@@ -215,7 +263,7 @@ def check(txn: lmdb.Transaction, db: lmdb._Database) -> list[str]:
     """What is inconsistent in the tables (empty: nothing): each member's
     order entry points back at it, and each recorded size is the count."""
     problems = []
-    for name in (EVERY, SECOND, SHADOW_GHOST, GHOST):
+    for name in (GHOST,):
         members: dict[bytes, bytes] = {}
         order: dict[bytes, bytes] = {}
         cursor = txn.cursor(db=db)

@@ -275,8 +275,7 @@ class FakeAdmissionIndex:
             "shadow_asks": 400.0,
             "shadow_writes_all": writes_all,
             "shadow_writes_second_sight": 20.0,
-            "tables": {"shadow_all": 7, "shadow_second_sight": 6,
-                       "shadow_ghost": 5, "ghost": 42},
+            "tables": {"ghost": 42, "processes": 2},
             "budget": budget,
             "tenants": {"0000000000000000": {"declined_blocks": 3}},
         }  # fmt: skip
@@ -310,7 +309,7 @@ def test_auto_choice_is_write_all_only_by_a_margin(
     rows = pairs_of(capsys.readouterr().out, "admission")
     assert rows["auto's choice"] == choice
     assert rows["write budget left"] == "3.00 KiB (3,072 bytes) at 2001-09-09T01:46:40Z"
-    assert rows["ghost"].startswith("42 declined blocks remembered")
+    assert rows["ghost"] == "42 blocks remembered (scores from 2 processes)"
 
 
 def test_no_admission_section_until_a_server_keeps_admission_state(tmp_path, capsys):

@@ -128,11 +128,13 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert index.admission_problems() == []
         tables = index.admission_report()["tables"]
         admitter = self.store.admitter
+        shadow = admitter.shadow
         shadow_ghost = int(admitter.shadow_blocks * admitter.tuning.ghost_per_block)
         assert tables["ghost"] <= admitter.ghost_limit
-        assert tables["shadow_all"] <= admitter.shadow_blocks
-        assert tables["shadow_second_sight"] <= admitter.shadow_blocks
-        assert tables["shadow_ghost"] <= max(1, shadow_ghost)
+        assert tables["processes"] <= 1
+        assert len(shadow.every) <= admitter.shadow_blocks
+        assert len(shadow.second) <= admitter.shadow_blocks
+        assert len(shadow.ghost) <= max(1, shadow_ghost)
 
 
 def _machine(policy: str, budget: int) -> type[AdmissionMachine]:
