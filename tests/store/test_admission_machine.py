@@ -7,7 +7,6 @@ bounded and consistent."""
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 import time
 
@@ -17,41 +16,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from npukv_store import KVStore, LayerSpec, NamespaceSpec, PartSpec
+from npukv_store import KVStore
 from npukv_store.config import StoreConfig
 from npukv_store.store.admission import AdmissionTuning
+from tests.support.block_tree import BlockTree, key
 
 ROW = 1024  # a 2 KiB block: the capacity holds 12, fewer than the tree
-SPEC = NamespaceSpec(
-    model="admission-machine",
-    block_size=16,
-    kv_dtype="float16",
-    layers=(
-        LayerSpec("l", (PartSpec("k", "U8", (ROW,)), PartSpec("v", "U8", (ROW,)))),
-    ),
-)
+TREE = BlockTree(48, seed=7, row=ROW, bushy=1)
+SPEC = TREE.spec
 NODES = 48
 TUNING = AdmissionTuning(shadow_blocks=6, ghost_per_block=0.5, ghost_max=12)
-#: a fixed random tree: node i's parent is below i (node 0 is a root)
-PARENT = [-1] + [int(p) for p in np.random.default_rng(7).integers(0, range(1, NODES))]
-
-
-def chain(node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = PARENT[node]
-    return path[::-1]
-
-
-def key(block: int) -> bytes:
-    return hashlib.blake2b(block.to_bytes(8, "little"), digest_size=16).digest()
-
-
-def rows(blocks: list[int]) -> dict[str, np.ndarray]:
-    base = np.array(blocks, dtype=np.uint8)[:, None]
-    fill = (base + np.arange(ROW)[None, :]).astype(np.uint8)
-    return {"l.k": fill, "l.v": fill ^ 0x5A}
 
 
 class AdmissionMachine(RuleBasedStateMachine):
@@ -77,13 +51,13 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @rule(node=st.integers(0, NODES - 1))
     def request(self, node: int) -> None:
-        blocks = chain(node)
+        blocks = TREE.chain(node)
         keys = [key(b) for b in blocks]
         hit = self.store.lookup(keys)
         if hit:
             out = {n: np.zeros((hit, ROW), np.uint8) for n in ("l.k", "l.v")}
             ok = self.store.read(keys[:hit], out)
-            want = rows(blocks[:hit])
+            want = TREE.rows(blocks[:hit])
             for i, good in enumerate(ok):
                 if good:  # a miss is allowed (evicted since); wrong bytes never
                     assert all(np.array_equal(out[n][i], want[n][i]) for n in out)
@@ -91,7 +65,9 @@ class AdmissionMachine(RuleBasedStateMachine):
         if hit < len(keys):
             before = self.store.counters.snapshot()["put_bytes"]
             self.store.put(
-                keys[hit:], rows(blocks[hit:]), parent=keys[hit - 1] if hit else None
+                keys[hit:],
+                TREE.rows(blocks[hit:]),
+                parent=keys[hit - 1] if hit else None,
             )
             wrote = self.store.counters.snapshot()["put_bytes"] - before
             self.largest_chunk = max(self.largest_chunk, wrote)
@@ -105,7 +81,9 @@ class AdmissionMachine(RuleBasedStateMachine):
         stored = {
             b for b in range(NODES) if self.store.index.locate([key(b)])[0] is not None
         }
-        stranded = [b for b in stored if PARENT[b] >= 0 and PARENT[b] not in stored]
+        stranded = [
+            b for b in stored if TREE.parent[b] >= 0 and TREE.parent[b] not in stored
+        ]
         assert not stranded, f"blocks stored without their parent: {stranded}"
 
     @invariant()

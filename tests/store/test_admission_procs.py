@@ -5,7 +5,6 @@ prefix-closed and readable."""
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 import signal
@@ -14,43 +13,19 @@ import time
 import numpy as np
 import pytest
 
-from npukv_store import KVStore, LayerSpec, NamespaceSpec, PartSpec
+from npukv_store import KVStore
 from npukv_store.config import StoreConfig
 from npukv_store.store.admission import AdmissionTuning
+from tests.support.block_tree import BlockTree, key
 
 ROW = 512
-SPEC = NamespaceSpec(
-    model="admission-procs",
-    block_size=16,
-    kv_dtype="float16",
-    layers=(
-        LayerSpec("l", (PartSpec("k", "U8", (ROW,)), PartSpec("v", "U8", (ROW,)))),
-    ),
-)
 TUNING = AdmissionTuning(shadow_blocks=16, ghost_per_block=1.0, ghost_max=48)
 NODES = 400
-PARENT = [-1] + [
-    int(p) for p in np.random.default_rng(11).integers(0, range(1, NODES)) // 8
-]  # a bushy tree: many chains share short prefixes
+#: a bushy tree: many chains share short prefixes
+TREE = BlockTree(NODES, seed=11, row=ROW, bushy=8)
+SPEC = TREE.spec
 CAPACITY = 64 << 10  # 64 blocks of 1 KiB, and the chunks' headers
 BUDGET = 48 * 24 * 1024  # bytes a day: a bucket of 48 KiB (an hour's worth)
-
-
-def chain(node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = PARENT[node]
-    return path[::-1]
-
-
-def key(block: int) -> bytes:
-    return hashlib.blake2b(block.to_bytes(8, "little"), digest_size=16).digest()
-
-
-def rows(blocks: list[int]) -> dict[str, np.ndarray]:
-    fill = (np.array(blocks)[:, None] * 7 + np.arange(ROW)[None, :]).astype(np.uint8)
-    return {"l.k": fill, "l.v": fill ^ 0xA5}
 
 
 def config(root: str, policy: str, budget: int) -> StoreConfig:
@@ -62,21 +37,23 @@ def config(root: str, policy: str, budget: int) -> StoreConfig:
 
 def serve(store: KVStore, node: int) -> int:
     """One request as the connector serves it; the wrong rows read back."""
-    blocks = chain(node)
+    blocks = TREE.chain(node)
     keys = [key(b) for b in blocks]
     hit = store.lookup(keys)
     wrong = 0
     if hit:
         out = {n: np.zeros((hit, ROW), np.uint8) for n in ("l.k", "l.v")}
         ok = store.read(keys[:hit], out)
-        want = rows(blocks[:hit])
+        want = TREE.rows(blocks[:hit])
         wrong = sum(
             good and not all(np.array_equal(out[n][i], want[n][i]) for n in out)
             for i, good in enumerate(ok)
         )
         hit = ok.index(False) if False in ok else hit
     if hit < len(keys):
-        store.put(keys[hit:], rows(blocks[hit:]), parent=keys[hit - 1] if hit else None)
+        store.put(
+            keys[hit:], TREE.rows(blocks[hit:]), parent=keys[hit - 1] if hit else None
+        )
     return wrong
 
 
@@ -91,7 +68,7 @@ def replay(root: str, policy: str, budget: int, worker: int, out: object) -> Non
 def stranded(store: KVStore) -> list[int]:
     stored = [b for b in range(NODES) if store.index.locate([key(b)])[0] is not None]
     held = set(stored)
-    return [b for b in stored if PARENT[b] >= 0 and PARENT[b] not in held]
+    return [b for b in stored if TREE.parent[b] >= 0 and TREE.parent[b] not in held]
 
 
 def test_four_processes_share_one_capacity_one_budget_and_one_ghost(tmp_path):
