@@ -24,6 +24,17 @@ if ! "$PY" -c 'import vllm' 2>/dev/null; then
 fi
 "$PY" -m pip install -q -e '.[test]'
 "$PY" -c 'import npukv_store._native'
+# The power-loss harness (tests/power) mounts a FUSE file system: fuse3 brings
+# fusermount3 and libfuse3 (mfusepy loads it). Root installs it, as for
+# Mooncake below; without it those tests skip and say why.
+if [ "$(id -u)" -eq 0 ] && ! command -v fusermount3 >/dev/null 2>&1 &&
+    command -v apt-get >/dev/null 2>&1; then
+    if ! DEBIAN_FRONTEND=noninteractive apt-get install -y -q fuse3 >/dev/null 2>&1; then
+        apt-get update -q >/dev/null 2>&1 || true
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q fuse3 >/dev/null ||
+            echo "setup_env: apt-get install fuse3 failed (tests/power will skip)"
+    fi
+fi
 
 # Mooncake Store tier (tests/remote): the non-CUDA wheel, which brings
 # mooncake.store and mooncake_master. Only when no mooncake package is there at

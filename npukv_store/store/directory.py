@@ -196,6 +196,7 @@ class CacheDir(DirFD):
                 os.close(fd)
             with contextlib.suppress(FileExistsError):
                 self.link(tmp, name)
+                self.sync_dir(os.path.dirname(name))  # the name too (0071)
         finally:
             self.unlink_quietly(tmp)
 
@@ -314,9 +315,13 @@ class CacheDir(DirFD):
             fd = self.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             try:
                 os.write(fd, canonical_json.encode("utf-8"))
+                # before the rename: else a power cut can leave the name with
+                # no bytes, and every open refuses it (docs/decisions/0071)
+                os.fsync(fd)
             finally:
                 os.close(fd)
             self.rename(tmp, path)  # same content from every writer: last one wins
+            self.sync_dir(namespace)
             return
         if found != canonical_json:
             raise NamespaceMismatch(

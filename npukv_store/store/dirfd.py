@@ -383,12 +383,22 @@ class DirFD:
         with self.parent(path) as (dir_fd, name):
             try:
                 os.mkdir(name, self.access.dir_mode, dir_fd=dir_fd)
+                # its name durable before anything is published under it: a
+                # power cut otherwise loses the directory with its synced
+                # files (docs/decisions/0071); once per directory
+                os.fsync(dir_fd)
             except FileExistsError:
                 pass
             except OSError as exc:
                 raise type(exc)(exc.errno, exc.strerror, self.full(path)) from None
         with self.subdir(path) as fd:  # checks what is there, ours or not
             self.access.fix_mode(fd, self.access.dir_mode)
+
+    def sync_dir(self, path: str = "") -> None:
+        """fsync a directory of the cache (the root by default): the names
+        made or removed in it survive a power cut (docs/decisions/0071)."""
+        with self.subdir(path) as fd:
+            os.fsync(fd)
 
     def check_entries(self, dirs: tuple[str, ...], files: tuple[str, ...]) -> None:
         """Refuse a root-level entry of the layout that is not what it should be.

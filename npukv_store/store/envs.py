@@ -55,6 +55,7 @@ def open_env(
             _ENVS[path] = (entry[0], entry[1], entry[2] + 1)
             return entry[1]
         check_env_dir(path, access)
+        fresh = not os.path.lexists(os.path.join(path, "data.mdb"))
         env = lmdb.open(
             path,
             subdir=True,
@@ -69,6 +70,14 @@ def open_env(
             mode=access.dir_mode & 0o777,
         )
         fix_env_modes(path, access)
+        if fresh and sync:
+            # LMDB syncs data.mdb, never its name: a power cut could leave
+            # an empty index in place of this one (docs/decisions/0071)
+            fd = os.open(path, DIR_FLAGS)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         env.reader_check()  # free slots of readers killed without closing
         _ENVS[path] = (os.getpid(), env, 1)
         return env

@@ -247,6 +247,8 @@ def _start_fresh(cdir: CacheDir, map_size: int, sync: bool) -> _Rebuild:
         finally:
             fresh.close()
         cdir.rename(new, "index")
+        if sync:
+            cdir.sync_dir()  # else a power cut loses the name (0071)
         index = Index(cdir.index_path, map_size=map_size, sync=sync, access=cdir.access)
     except BaseException:
         os.close(fd)
