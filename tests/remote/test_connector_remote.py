@@ -5,6 +5,7 @@ past its step budget."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -26,7 +27,7 @@ from tests.support.connector import (  # noqa: E402
     make_request,
     worker_for,
 )
-from tests.support.remote import secret_file  # noqa: E402
+from tests.support.remote import Recording, secret_file  # noqa: E402
 
 
 def remote(master, **kw) -> dict:
@@ -158,53 +159,96 @@ def test_scheduler_claims_remote_blocks_after_the_local_prefix(
     side.close()
 
 
+def _spy_waits(tier) -> list[float]:
+    """Each wait_s the scheduler gives tier.lookup from now on."""
+    waits: list[float] = []
+    lookup = tier.lookup
+
+    def spied(fingerprint, keys, wait_s):
+        waits.append(wait_s)
+        return lookup(fingerprint, keys, wait_s)
+
+    tier.lookup = spied
+    return waits
+
+
 def test_scheduler_waits_at_most_its_budget_and_then_serves_locally(
     tmp_path, mooncake_master
 ):
+    """A probe that does not come back (blocked until the test ends) holds no
+    step: each step gives its lookups at most its budget (remote_timeout_ms)
+    to wait and returns while the probe is still out; after GIVE_UP_STEPS
+    the request is served locally, the one probe never sent again."""
     side = _scheduler(tmp_path / "sched", mooncake_master, remote_timeout_ms=5)
     assert side.tier is not None
     tier = side.tier
+    released = threading.Event()
+    probes: list[str] = []  # the thread of each probe sent
+    returned: list[str] = []
 
     def hangs(names):  # a probe that never comes back in time
-        time.sleep(0.5)
+        probes.append(threading.current_thread().name)
+        released.wait(30.0)  # a generous deadline to fail by
+        returned.append(probes[-1])
         return 0
 
     tier._probe = hangs  # type: ignore[method-assign]
+    waits = _spy_waits(tier)
     request = make_request("slow", list(range(3, 3 + 4 * BLOCK + 1)))
-    answers, longest = [], 0.0
-    for _ in range(GIVE_UP_STEPS + 1):
-        began = time.perf_counter()
-        answers.append(side.match(request, 0))
-        longest = max(longest, time.perf_counter() - began)
-        side.build_meta(_NoSchedule())
-    assert answers == [None] * GIVE_UP_STEPS + [0]
-    assert longest < 0.005 + 0.010, f"a step waited {longest * 1e3:.1f} ms"
-    side.close()
+    answers, steps = [], []  # per step: the waits its lookups were given
+    try:
+        for _ in range(GIVE_UP_STEPS + 1):
+            asked = len(waits)
+            answers.append(side.match(request, 0))
+            assert not returned, "a step returned only once the probe did"
+            steps.append(waits[asked:])
+            side.build_meta(_NoSchedule())
+        assert answers == [None] * GIVE_UP_STEPS + [0]
+        budget = side.settings.remote_timeout_ms / 1e3
+        assert all(step and sum(step) <= budget for step in steps), (steps, budget)
+        assert probes == ["npukv-remote-ctl_0"], probes
+    finally:
+        released.set()
+        side.close()
 
 
 def test_scheduler_serves_locally_at_once_when_the_master_is_down(
     tmp_path, mooncake_master
 ):
+    """The master killed: every step gives its lookups at most its budget
+    to wait, no Mooncake call runs on the scheduler's thread, and once the
+    tier is down the lookups send nothing (a local-only answer at once)."""
     side = _scheduler(tmp_path / "sched", mooncake_master)
+    assert side.tier is not None
+    tier = side.tier
+    tier._client = client = Recording(tier._client)
+    waits = _spy_waits(tier)
     mooncake_master.stop()
-    longest = 0.0
-    found = []
+    found, steps = [], []
+    sent_when_down = None  # the calls sent by the time it was seen down
+    down_at = 0  # the request it was first seen down at
     end = time.monotonic() + 5.0
     i = 0
-    # until the breaker opens, and 10 requests more: every step is bounded
-    while (side.tier is not None and side.tier.up) or len(found) < 10:
+    # until the breaker opens, and 10 requests more
+    while sent_when_down is None or len(found) < down_at + 10:
         assert time.monotonic() < end, "the tier never noticed the master died"
+        if sent_when_down is None and not tier.up:
+            sent_when_down, down_at = len(client.calls), len(found)
         request = make_request(f"r{i}", list(range(5 + i, 5 + i + 3 * BLOCK + 1)))
-        began = time.perf_counter()
+        asked = len(waits)
         found.append(side.match(request, 0))
-        longest = max(longest, time.perf_counter() - began)
+        steps.append(waits[asked:])
         side.build_meta(_NoSchedule())
         i += 1
     assert set(found) <= {0, None}
     assert found[-1] == 0, "the tier is down: a local-only answer at once"
-    assert longest <= side.settings.remote_timeout_ms / 1e3 + 0.005
-    assert side.tier is not None
-    assert not side.tier.up
+    budget = side.settings.remote_timeout_ms / 1e3
+    assert all(sum(step) <= budget for step in steps), (max(map(sum, steps)), budget)
+    threads = {thread for _, thread in client.calls}
+    assert threads <= {"npukv-remote-ctl_0"}, f"Mooncake called on {threads}"
+    later = client.calls[sent_when_down:]
+    assert not [c for c in later if c[0] == "batch_is_exist"], later
+    assert not tier.up
     side.close()
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from npukv_store.hashing import namespace_fingerprint
+from npukv_store.remote import tier as tier_mod
 from npukv_store.remote import transfers
 from npukv_store.remote.breaker import CLOSED
 from npukv_store.remote.client import FetchResult
@@ -23,6 +24,7 @@ from tests.support.blocks import tiny_spec
 from tests.support.mooncake import MooncakeMaster, free_ports, require_mooncake
 from tests.support.remote import (
     HangingClient,
+    Recording,
     expected_values,
     fake_config,
     join_closes,
@@ -34,6 +36,7 @@ from tests.support.remote import (
 )
 
 LOGGER = "npukv_store.remote.tier"
+CTL = "npukv-remote-ctl_0"  # the tier's control thread
 SPEC = tiny_spec()
 FP = namespace_fingerprint(SPEC)
 LAYOUT = ValueLayout.for_spec(SPEC)
@@ -47,29 +50,6 @@ def timed(fn, *args):
     began = time.perf_counter()
     result = fn(*args)
     return result, time.perf_counter() - began
-
-
-class Recording:
-    """A tier's real client, each call to the master recorded as (name,
-    thread name); registering memory is local bookkeeping, not recorded."""
-
-    def __init__(self, client) -> None:
-        self._client = client
-        self.calls: list[tuple[str, str]] = []
-
-    def __getattr__(self, name: str):
-        attr = getattr(self._client, name)
-        if not callable(attr) or name.endswith("register_buffer"):
-            return attr
-
-        def call(*args, **kw):
-            self.calls.append((name, threading.current_thread().name))
-            return attr(*args, **kw)
-
-        return call
-
-    def sent(self, *names: str) -> int:
-        return sum(1 for name, _ in self.calls if name in names)
 
 
 def value_pieces(values: np.ndarray, layout: ValueLayout) -> list:
@@ -505,53 +485,65 @@ def test_setup_is_retried_at_the_breakers_pace(hanging):
 # -- no master at setup ----------------------------------------------------------------
 
 
-def test_tier_started_before_its_master_comes_up_by_itself(tmp_path, caplog):
+def test_tier_started_before_its_master_comes_up_by_itself(
+    tmp_path, caplog, monkeypatch
+):
     """Lookups are 0 at once, the process never stops (Mooncake's setup holds
     the GIL for the ~4.5 s it takes to fail against no master, so the tier
-    must not call it then), and the tier comes up once the master does."""
+    must not call it then), and the tier comes up once the master does.
+    Asserted on what was called: while the master refuses connections no
+    client is made (no setup), every dial and Mooncake call runs on the
+    tier's ctl thread, never the caller's, and the breaker's first probe
+    after the master is up sets the client up, with its wait not backed off
+    past one failed retry (2 s)."""
     require_mooncake()
     caplog.set_level(logging.INFO, logger=LOGGER)
     rpc_port, metrics_port = free_ports(2)
     master = MooncakeMaster(tmp_path, rpc_port=rpc_port, metrics_port=metrics_port)
-    times: list[float] = []  # each lookup's own time
-    gaps: list[float] = []  # between one poll and the next: a frozen process
+    made: list[Recording] = []  # each Mooncake client the tier made
+    dials: list[tuple[bool, str]] = []  # (master listening, thread) per dial
+    real_client, real_listens = tier_mod.new_client, tier_mod.master_listens
+
+    def recorded_client():
+        made.append(Recording(real_client()))
+        return made[-1]
+
+    def recorded_listens(address: str, timeout_s: float = 0.5) -> bool:
+        listening = real_listens(address, timeout_s)
+        dials.append((listening, threading.current_thread().name))
+        return listening
+
+    # the tier's factory stays `new_client`: it dials before each setup
+    monkeypatch.setattr(tier_mod, "new_client", recorded_client)
+    monkeypatch.setattr(tier_mod, "master_listens", recorded_listens)
     answers: list[int | None] = []
-    last = time.monotonic()
 
     def poll(tag: str) -> int | None:
-        nonlocal last
-        answer, took = timed(tier.lookup, FP, make_keys(tag, 2), 0.02)
-        now = time.monotonic()
-        gaps.append(now - last)
-        last = now
-        answers.append(answer)
-        times.append(took)
-        return answer
+        answers.append(tier.lookup(FP, make_keys(tag, 2), 0.02))
+        return answers[-1]
 
     tier = MooncakeTier(tier_config(master.address, tmp_path / "node"))
     try:
         assert wait_until(lambda: tier.breaker.state != CLOSED, 10.0, step=0.01)
-        opened = time.monotonic()
-        # a second or two of a scheduler's lookups, over a retry or two
-        while time.monotonic() - opened < 1.5:
-            poll("nomaster")
-            time.sleep(0.01)
+        # a scheduler's lookups until the breaker's first retry dialled too
+        assert wait_until(lambda: poll("nomaster") == 0 and len(dials) >= 2, 10.0)
         assert not tier.up
         assert set(answers) == {0}, answers
-        assert max(times) < 0.05, f"slowest lookup {max(times) * 1e3:.1f} ms"
-        assert max(gaps) < 0.5, f"the process stopped for {max(gaps):.1f} s"
+        assert made == [], "a client was set up while the master refused"
+        assert dials == [(False, CTL)] * 2, dials
+        assert tier.breaker.wait_s == 2 * tier.breaker.first_wait_s
         assert len(lines(caplog, "remote tier is down")) == 1
         master.start()
-        started = time.monotonic()
-        last = started
 
         def up() -> bool:
             return poll("poll") is not None and tier.up
 
-        assert wait_until(up, 20.0, step=0.05), tier.breaker.reason
-        took = time.monotonic() - started
-        assert took < 10.0, f"up {took:.1f} s after its master"
-        assert max(gaps) < 0.5, f"the process stopped for {max(gaps):.1f} s"
+        assert wait_until(up, 20.0, step=0.05), tier.breaker.reason  # to fail by
+        assert dials[2:] == [(True, CTL)], "not up at the first probe after"
+        assert len(made) == 1, f"{len(made)} clients made"
+        assert made[0].calls[0] == ("setup", CTL), made[0].calls
+        called = {thread for _, thread in made[0].calls}
+        assert called == {CTL}, f"Mooncake called on {called}"
         assert lines(caplog, "remote tier up"), "no line when it came up"
         assert len(lines(caplog, "remote tier is down")) == 1
         assert tier.lookup(FP, make_keys("after", 2), 0.5) == 0

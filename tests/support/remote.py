@@ -201,6 +201,29 @@ def put_through(store: KVStore, keys: Sequence[bytes], batch: int = 16) -> None:
         assert store.flush(10.0)
 
 
+class Recording:
+    """A tier's real client, each call to the master recorded as (name,
+    thread name); registering memory is local bookkeeping, not recorded."""
+
+    def __init__(self, client) -> None:
+        self._client = client
+        self.calls: list[tuple[str, str]] = []
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        if not callable(attr) or name.endswith("register_buffer"):
+            return attr
+
+        def call(*args, **kw):
+            self.calls.append((name, threading.current_thread().name))
+            return attr(*args, **kw)
+
+        return call
+
+    def sent(self, *names: str) -> int:
+        return sum(1 for name, _ in self.calls if name in names)
+
+
 class HangingClient:
     """A fake Mooncake client: lookups and loads hang for ``hang_s`` (until
     ``released`` is set), the rest answers at once (``get_size``: not found,
