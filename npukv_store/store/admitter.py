@@ -96,10 +96,10 @@ class Admitter:
         self.mode = Mode.SECOND_SIGHT if self.policy == "second_sight" else Mode.ALL
         self.scores = Scores()  # the directory's: every process's, summed
         self.budget_left = 1.0
-        #: this process's shadow of both modes, over its own lookups (in
-        #: memory: an ask costs three dict operations, not twenty LMDB ones
-        #: under the writer lock); its scores go to the index, named by
-        #: ``process_id``, and the mode uses every process's
+        #: this process's shadow of both modes (in memory: an ask costs three
+        #: dict operations, not twenty LMDB ones), over every process's
+        #: sampled asks (the index's ask log); its scores go to the index,
+        #: named by ``process_id``
         self.process_id = secrets.token_bytes(8)
         self.own_scores = Scores()
         self.shadow = Shadow(
@@ -108,6 +108,8 @@ class Admitter:
             self.tuning,
         )  # fmt: skip
         self._shadow_lock = threading.Lock()
+        self._asked = False  # whether this process looks up (runs a shadow)
+        self._ask_position = 0  # the last ask log entry the shadow ran
         #: asks the handle to apply the pending changes soon (the touch
         #: flusher's :meth:`~.touches.TouchRecorder.soon`)
         self.on_decline: Callable[[], None] | None = None
@@ -125,6 +127,7 @@ class Admitter:
         in the flush, off the lookup's path). Whether a flush has work."""
         if self.policy != "auto" or not keys:
             return False
+        self._asked = True
         with self._lock:
             if len(self._asks) >= MAX_PENDING_LOOKUPS:
                 return True  # the shadow is a sample: dropping some is fine
@@ -213,15 +216,26 @@ class Admitter:
 
     # -- the shared state's side --------------------------------------------------
 
-    def _ask_shadow(self, asks: list[tuple[bytes, ...]]) -> Scores:
-        """Run the lookups' sampled keys through this process's shadow,
-        before the transaction (it holds the writer lock); a copy of its
-        scores after them."""
+    def _ask_shadow(
+        self,
+        txn: lmdb.Transaction,
+        db: lmdb._Database,
+        seq: table.SeqCounter,
+        sampled: list[int],
+    ) -> Scores | None:
+        """Log this process's sampled asks, then run every process's asks
+        logged since this shadow's last run through it (in log order: the
+        directory's traffic, not this process's share of it). A copy of its
+        scores after them; None for a process that never looked up (a
+        worker that only saves reads the others' scores)."""
+        table.append_asks(txn, db, sampled, seq)
+        if not self._asked:
+            return None
+        new, self._ask_position = table.asks_since(txn, db, self._ask_position)
         with self._shadow_lock:
-            for chain in asks:
-                for prefix in self._sampled(chain):
-                    self.shadow.ask(prefix, self.own_scores)
-            return replace(self.own_scores)
+            for prefix in new:
+                self.shadow.ask(prefix, self.own_scores)
+            return replace(self.own_scores) if new else None
 
     def due(self) -> InTxn | None:
         """:meth:`in_txn` when there is something to apply, or the mode
@@ -248,7 +262,8 @@ class Admitter:
                 recent.popitem(last=False)
             deltas, self._deltas = self._deltas, {}
             written, self._written = self._written, 0
-        own = self._ask_shadow(asks) if asks else None
+        # sampled here, before the transaction: it holds the writer lock
+        sampled = [p for chain in asks for p in self._sampled(chain)]
 
         def apply(txn: lmdb.Transaction, victims: Sequence[ChunkRecord]) -> None:
             index = self._index()
@@ -260,7 +275,7 @@ class Admitter:
                         named.get("wasted_write_blocks", 0) + victim.live_rows
                     )
                     self.counters.add(wasted_write_blocks=victim.live_rows)
-            self._apply(txn, db, own, ghost_add, ghost_drop, written)
+            self._apply(txn, db, sampled, ghost_add, ghost_drop, written)
             table.add_counters(txn, db, deltas)
 
         return apply
@@ -269,7 +284,7 @@ class Admitter:
         self,
         txn: lmdb.Transaction,
         db: lmdb._Database,
-        own: Scores | None,
+        sampled: list[int],
         ghost_add: dict[int, bool],
         ghost_drop: set[int],
         written: int,
@@ -277,16 +292,17 @@ class Admitter:
         if not self.active:
             return
         now = time.time_ns()
+        seq = table.SeqCounter(txn, db)
+        own = self._ask_shadow(txn, db, seq, sampled)
         scores = table.publish_scores(txn, db, self.process_id, own, now)
         if ghost_add or ghost_drop:
-            seq = table.SeqCounter(txn, db)
             ghost = table.LmdbKeys(txn, db, table.GHOST, seq)
             for prefix in ghost_drop:
                 ghost.discard(prefix)
             for prefix, was_declined in ghost_add.items():
                 ghost.push(prefix, table.DECLINED if was_declined else b"")
             trim(ghost, self.ghost_limit)
-            seq.write()
+        seq.write()
         budget_left = 1.0
         if self.rate > 0:
             bucket = table.bucket(txn, db, self.bucket_size)

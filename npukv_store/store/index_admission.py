@@ -42,6 +42,9 @@ U64 = struct.Struct(">Q")
 BUCKET = struct.Struct("<dQ")
 GHOST = b"g"
 PROCESS = b"p"
+ASKS = b"a"  # + seq: one flush's sampled asks, u64 little-endian each
+#: flushes of asks kept: a shadow further behind skips the rest
+ASK_LOG_ENTRIES = 4096
 STALE_S = 600.0  # a process's scores count this long after it wrote them
 COUNTERS = (
     "admitted_blocks",
@@ -141,7 +144,10 @@ def publish_scores(
     now_ns: int,
 ) -> Scores:
     """Record ``process``'s scores (None: unchanged), drop the records older
-    than :data:`STALE_S`, and return the sum of the others and its own."""
+    than :data:`STALE_S`, and return the fresh record of the most asks:
+    every process's shadow runs over the same ask log, so the views differ
+    only in how long they have run, and a shadow that just started (a
+    restart) does not send the directory back to its warm-up."""
     if own is not None:
         txn.put(PROCESS + process, own.pack() + U64.pack(now_ns), db=db)
     total, stale = _sum_scores(txn, db, now_ns)
@@ -151,7 +157,7 @@ def publish_scores(
 
 
 def scores(txn: lmdb.Transaction, db: lmdb._Database, now_ns: int) -> Scores:
-    """Every process's fresh scores, summed (a read)."""
+    """The directory's scores: the fresh record of the most asks (a read)."""
     return _sum_scores(txn, db, now_ns)[0]
 
 
@@ -175,12 +181,49 @@ def _sum_scores(
             stale.append(key)
             continue
         found = Scores.unpack(value[: SCORES.size])
-        total.hits_all += found.hits_all
-        total.hits_second_sight += found.hits_second_sight
-        total.asks += found.asks
-        total.writes_all += found.writes_all
-        total.writes_second_sight += found.writes_second_sight
+        if found.asks > total.asks:  # the view of the longest-running shadow
+            total = found
     return total, stale
+
+
+def append_asks(
+    txn: lmdb.Transaction, db: lmdb._Database, prefixes: list[int], seq: SeqCounter
+) -> None:
+    """Append one flush's sampled asks to the shared log (one entry), and
+    drop the oldest entries past :data:`ASK_LOG_ENTRIES`."""
+    if not prefixes:
+        return
+    txn.put(
+        ASKS + U64.pack(seq.next()), struct.pack(f"<{len(prefixes)}Q", *prefixes), db=db
+    )
+    size = txn.get(ASKS + b"#", db=db)
+    count = (U64.unpack(size)[0] if size else 0) + 1
+    cursor = txn.cursor(db=db)
+    while count > ASK_LOG_ENTRIES and cursor.set_range(ASKS + bytes(U64.size)):
+        if not bytes(cursor.key()).startswith(ASKS) or len(cursor.key()) != 9:
+            break
+        cursor.delete()
+        count -= 1
+    txn.put(ASKS + b"#", U64.pack(count), db=db)
+
+
+def asks_since(
+    txn: lmdb.Transaction, db: lmdb._Database, position: int
+) -> tuple[list[int], int]:
+    """Every process's sampled asks logged after ``position`` (a sequence
+    number; 0: the whole log), in log order, and the new position."""
+    out: list[int] = []
+    cursor = txn.cursor(db=db)
+    if not cursor.set_range(ASKS + U64.pack(position + 1)):
+        return out, position
+    for raw_key, raw in cursor.iternext():
+        key = bytes(raw_key)
+        if not key.startswith(ASKS) or len(key) != 1 + U64.size:
+            break
+        value = bytes(raw)
+        out.extend(struct.unpack(f"<{len(value) // 8}Q", value))
+        position = U64.unpack(key[1:])[0]
+    return out, position
 
 
 def bucket(txn: lmdb.Transaction, db: lmdb._Database, size: float) -> TokenBucket:
@@ -234,7 +277,12 @@ def table_sizes(txn: lmdb.Transaction, db: lmdb._Database) -> dict[str, int]:
             if not bytes(key).startswith(PROCESS):
                 break
             processes += 1
-    return {"ghost": U64.unpack(raw)[0] if raw else 0, "processes": processes}
+    logged = txn.get(ASKS + b"#", db=db)
+    return {
+        "ghost": U64.unpack(raw)[0] if raw else 0,
+        "processes": processes,
+        "ask_log": U64.unpack(logged)[0] if logged else 0,
+    }
 
 
 def report(txn: lmdb.Transaction, db: lmdb._Database) -> dict[str, object]:

@@ -210,3 +210,38 @@ def test_a_lost_hit_is_a_block_declined_then_brought_again(tmp_path):
         assert store.put(fresh, block_tensors(store.spec, fresh)).stored == 0
         assert store.put(fresh, block_tensors(store.spec, fresh)).stored == 1
         assert store.counters.snapshot()["lost_hit_blocks"] == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=5), max_size=12))
+def test_the_ask_log_keeps_order_and_its_bound(tmp_path_factory, flushes):
+    """Every process's shadow reads the same asks in the order they were
+    logged, from where it left off; the log keeps its newest entries."""
+    path = tmp_path_factory.mktemp("asks")
+    env = lmdb.open(str(path), max_dbs=2, map_size=1 << 24)
+    db = env.open_db(b"admission")
+    bound, position, seen, logged = 4, 0, [], []
+    try:
+        for i, prefixes in enumerate(flushes):
+            with env.begin(write=True) as txn:
+                seq = table.SeqCounter(txn, db)
+                old = table.ASK_LOG_ENTRIES
+                table.ASK_LOG_ENTRIES = bound
+                try:
+                    table.append_asks(txn, db, prefixes, seq)
+                finally:
+                    table.ASK_LOG_ENTRIES = old
+                seq.write()
+                if prefixes:
+                    logged.append(prefixes)
+                assert table.table_sizes(txn, db)["ask_log"] == min(len(logged), bound)
+                if i % 3 == 2:  # a reader that reads every third flush
+                    new, position = table.asks_since(txn, db, position)
+                    seen.extend(new)
+        with env.begin() as txn:
+            new, position = table.asks_since(txn, db, position)
+            seen.extend(new)
+        # read every third flush, with four kept: nothing lost, in order, once
+        assert seen == [p for batch in logged for p in batch]
+    finally:
+        env.close()

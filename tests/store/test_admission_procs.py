@@ -15,6 +15,7 @@ import pytest
 
 from npukv_store import KVStore
 from npukv_store.config import StoreConfig
+from npukv_store.store import index_admission as table
 from npukv_store.store.admission import AdmissionTuning
 from tests.support.block_tree import BlockTree, key
 
@@ -106,6 +107,7 @@ def test_four_processes_share_one_capacity_one_budget_and_one_ghost(tmp_path):
         assert store.stats().total_bytes <= CAPACITY
         assert report["tables"]["ghost"] <= admitter.ghost_limit
         assert report["tables"]["processes"] <= 5  # one score record each
+        assert 0 < report["tables"]["ask_log"] <= table.ASK_LOG_ENTRIES
         assert report["shadow_asks"] > 0  # every process's shadow, summed
         assert store.index.admission_problems() == []
         assert stranded(store) == []
