@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import struct
+import threading
 import time
 
 import pytest
@@ -22,7 +23,15 @@ from npukv_store.testing import faults as io_faults
 from tests.support import faults
 from tests.support.blocks import block_tensors, tiny_spec
 from tests.support.chunks import tmp_files
-from tests.support.faults import BIG, BLOCKS, SMALL, config, fill, keys_for
+from tests.support.faults import (
+    BIG,
+    BLOCKS,
+    SMALL,
+    WriteGate,
+    config,
+    fill,
+    keys_for,
+)
 from tests.support.scenarios.oracles import SPEC
 
 
@@ -34,13 +43,34 @@ def _set_faults(monkeypatch: pytest.MonkeyPatch, spec: str | None) -> None:
     io_faults.forget_env_faults()
 
 
-def _save(store: KVStore, keys: list[bytes]) -> float:
-    """put_async + flush; returns how long put_async itself took."""
-    begin = time.perf_counter()
-    store.put_async(keys, block_tensors(store.spec, keys))
-    took = time.perf_counter() - begin
+def _gate(monkeypatch: pytest.MonkeyPatch, rules: str = "") -> WriteGate:
+    """NPUKV_FAULTS set to ``rules`` and a rule that lets a WriteGate hold
+    every other write (the gate starts open)."""
+    gate = WriteGate(monkeypatch)
+    _set_faults(monkeypatch, ";".join(filter(None, (rules, GATED))))
+    return gate
+
+
+#: a rule that fires on every write and delays it 0 ms: what WriteGate holds
+GATED = "write:slow:ms=0"
+
+
+def _save(store: KVStore, keys: list[bytes], gate: WriteGate | None = None) -> None:
+    """put_async + flush. With ``gate``, put_async runs with the disk's writes
+    held: it must return without waiting for any (none held on its own
+    thread, none waited out to the gate's deadline)."""
+    if gate is not None:
+        gate.shut()
+    try:
+        store.put_async(keys, block_tensors(store.spec, keys))
+    finally:
+        if gate is not None:
+            gate.open()
+    if gate is not None:
+        assert gate.expired == 0, "put_async waited for a write to the disk"
+        mine = threading.current_thread().name
+        assert mine not in gate.threads, "put_async wrote on its own thread"
     assert store.flush(timeout_s=60)
-    return took
 
 
 def _no_leftovers(cache_dir: str) -> None:
@@ -50,17 +80,18 @@ def _no_leftovers(cache_dir: str) -> None:
 # -- a real full filesystem -------------------------------------------------------
 
 
-def _full_tmpfs_trials(fault, tmp_path, asynchronous: bool) -> None:
+def _full_tmpfs_trials(fault, tmp_path, gate: WriteGate | None) -> None:
     """Fill a real tmpfs, save into it, free it, save again; every trial runs
     to its end, and what broke the contract (put raising something else than
-    OSError(ENOSPC), put_async raising at all) is asserted at the end."""
+    OSError(ENOSPC), put_async raising at all or waiting for a write) is
+    asserted at the end. ``gate``: put_async's (else put's) trials."""
     broken: list[str] = []
+    asynchronous = gate is not None
 
     def save(keys: list[bytes]) -> None:
         try:
             if asynchronous:
-                took = _save(store, keys)
-                assert took < 5.0, f"put_async took {took:.2f} s"
+                _save(store, keys, gate)
             else:
                 store.put(keys, block_tensors(BIG, keys))
         except OSError as exc:
@@ -107,12 +138,12 @@ def _full_tmpfs_trials(fault, tmp_path, asynchronous: bool) -> None:
 #: space; the chunk write raises OSError (put) or is counted (put_async).
 @pytest.mark.fault("enospc-tmpfs-put")
 def test_full_disk_sync_put(fault, tmp_path):
-    _full_tmpfs_trials(fault, tmp_path, asynchronous=False)
+    _full_tmpfs_trials(fault, tmp_path, None)
 
 
 @pytest.mark.fault("enospc-tmpfs-save")
-def test_full_disk_async_save(fault, tmp_path):
-    _full_tmpfs_trials(fault, tmp_path, asynchronous=True)
+def test_full_disk_async_save(fault, tmp_path, monkeypatch):
+    _full_tmpfs_trials(fault, tmp_path, _gate(monkeypatch))
 
 
 # -- ENOSPC from fsync and rename (in this process) -------------------------------
@@ -189,16 +220,17 @@ def _engine_write_trials(fault, tmp_path, monkeypatch, kind: str) -> None:
     cfg = config(tmp_path / "cache")
     with KVStore(cfg, BIG) as store:
         durable = [k for _, ks in fill(store, kind, chunks=2) for k in ks]
+    gate = WriteGate(monkeypatch)
     for trial in fault.trials(2, 6):
         failing = 1 + trial % 3
-        _set_faults(monkeypatch, f"write:{kind}:count={failing}")
+        _set_faults(monkeypatch, f"write:{kind}:count={failing};{GATED}")
         with KVStore(cfg, BIG) as store:  # a fresh writer, wrapped
             batches = [keys_for(f"{kind}{trial}:{b}", BLOCKS) for b in range(4)]
-            took = max(_save(store, keys) for keys in batches)
-            assert took < 2.0, f"put_async took {took:.2f} s"
+            for keys in batches:
+                _save(store, keys, gate)  # put_async waits for no write
             counters = store.stats().counters
             stored = [keys for keys in batches if store.lookup(keys) == len(keys)]
-        (rule,) = io_faults.faults_from_env()
+        rule = io_faults.faults_from_env()[0]
         assert rule.injected == failing, "the fault did not fire as asked"
         assert 0 < counters["failed_batches"] <= failing
         assert len(stored) >= len(batches) - failing, "saving did not resume"
@@ -222,28 +254,46 @@ def test_engine_short_write(fault, tmp_path, monkeypatch):
 
 @pytest.mark.fault("slow-disk-ring-full")
 def test_a_stalling_disk_drops_saves_instead_of_waiting(fault, tmp_path, monkeypatch):
-    stall_ms = 300
+    """The disk stalls (its writes held until the test opens the gate, with a
+    deadline to fail by): every put_async returns while the writer is still
+    held in a write; the small ring fills and the later batches are dropped
+    and counted, not waited for."""
+    gate = WriteGate(monkeypatch)
     for trial in fault.trials(1, 4):
-        _set_faults(monkeypatch, f"write:slow:ms={stall_ms}")
+        _set_faults(monkeypatch, GATED)
         cfg = config(tmp_path / f"t{trial}", ring_size="1MiB")  # two batches
         with KVStore(cfg, BIG) as store:
             store.prepare_async()
             batches = [keys_for(f"slow{trial}:{b}", BLOCKS) for b in range(8)]
-            calls, results = [], []
-            for keys in batches:
-                begin = time.perf_counter()
-                results.append(store.put_async(keys, block_tensors(BIG, keys)))
-                calls.append(time.perf_counter() - begin)
+            results = []
+            gate.shut()
+            try:
+                for keys in batches:
+                    results.append(store.put_async(keys, block_tensors(BIG, keys)))
+                    if len(results) == 1:  # the writer takes the first batch
+                        _until(lambda: gate.held > 0, "the writer never wrote")
+                    assert gate.held, "put_async returned once the disk did"
+            finally:
+                gate.open()
+            assert gate.expired == 0, "put_async waited for a write"
+            assert threading.current_thread().name not in gate.threads
             assert store.flush(timeout_s=60)
             counters = store.stats().counters
             queued = [k for k, r in zip(batches, results, strict=True) if r.queued]
             dropped = [k for k, r in zip(batches, results, strict=True) if r.dropped]
             fault.durable(store, [k for keys in queued for k in keys])
-            assert max(calls) < stall_ms / 1000 / 2, f"put_async waited: {calls}"
             assert dropped, "the ring never filled"
             assert counters["dropped_blocks"] == BLOCKS * len(dropped)
             assert all(store.lookup(keys) == 0 for keys in dropped)
             _set_faults(monkeypatch, None)
+
+
+def _until(predicate, what: str, deadline_s: float = 20.0) -> None:
+    """Poll ``predicate`` until it holds; ``deadline_s`` is one to fail by."""
+    end = time.monotonic() + deadline_s
+    while not predicate():
+        assert time.monotonic() < end, what
+        time.sleep(0.005)
 
 
 # -- the staging ring -------------------------------------------------------------
@@ -388,15 +438,15 @@ def test_full_index_fails_saves_and_counts_them(fault, tmp_path):
 
 
 @pytest.mark.fault("tmp-dir-removed")
-def test_tmp_dir_removed_under_a_running_handle(fault, tmp_path):
+def test_tmp_dir_removed_under_a_running_handle(fault, tmp_path, monkeypatch):
+    gate = _gate(monkeypatch)
     for trial in fault.trials(1, 3):
         cfg = config(tmp_path / f"t{trial}")
         with KVStore(cfg, BIG) as store:
             durable = [k for _, ks in fill(store, f"tmp{trial}", chunks=2) for k in ks]
             shutil.rmtree(os.path.join(cfg.cache_dir, "tmp"))
             keys = keys_for(f"tmp{trial}:lost", BLOCKS)
-            took = _save(store, keys)
-            assert took < 2.0
+            _save(store, keys, gate)  # put_async waits for no write
             counters = store.stats().counters
             if store.lookup(keys) != len(keys):
                 assert counters["failed_batches"] > 0, "a failed save not counted"

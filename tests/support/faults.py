@@ -16,6 +16,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import pytest
 
 from npukv_store import KVStore, StoreConfig
+from npukv_store.testing import faults as io_faults
 from tests.support.blocks import block_tensors, tiny_spec
 from tests.support.chunks import chunk_files
 from tests.support.scenarios.oracles import SPEC
@@ -209,3 +211,48 @@ def start_child(code: str, *, keep_faults: bool = False) -> subprocess.Popen[str
         [sys.executable, "-c", code], cwd=root, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+
+
+class WriteGate:
+    """Holds the engine writes of this process's stores while it is shut:
+    a write that NPUKV_FAULTS' ``slow`` rule fires on (set one, e.g.
+    ``write:slow:ms=0``, before the store opens) waits until :meth:`open`,
+    or ``deadline_s`` (a deadline to fail by). ``held``: writes waiting now;
+    ``threads``: the thread of each write held; ``expired``: writes that
+    waited out the deadline (someone waited for a write while it was shut)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, deadline_s: float = 20.0):
+        self.deadline_s = deadline_s
+        self.held = 0
+        self.expired = 0
+        self.threads: list[str] = []
+        self._open = threading.Event()
+        self._open.set()
+        self._lock = threading.Lock()
+        fires = io_faults.FaultRule.fires
+
+        def gated(rule: io_faults.FaultRule, request: Any) -> bool:
+            hit = fires(rule, request)
+            if hit and rule.kind == "slow" and not self._open.is_set():
+                self._hold()
+            return hit
+
+        monkeypatch.setattr(io_faults.FaultRule, "fires", gated)
+
+    def _hold(self) -> None:
+        with self._lock:
+            self.held += 1
+            self.threads.append(threading.current_thread().name)
+        try:
+            if not self._open.wait(self.deadline_s):
+                with self._lock:
+                    self.expired += 1
+        finally:
+            with self._lock:
+                self.held -= 1
+
+    def shut(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
