@@ -31,8 +31,9 @@ from npukv_store.io import ring as ring_mod
 from npukv_store.io.ring import ALIGN, NAME_PREFIX, StagingRing, scan_rings
 from npukv_store.liveness import pid_alive, safe_pid
 
-#: How long one ring creation or scan may take (a blocking open hangs forever).
-DEADLINE_S = 1.0
+#: A deadline to fail by for one ring creation or scan: an open that blocks
+#: on a FIFO never returns by itself, so this is generous (not a timing).
+DEADLINE_S = 30.0
 ATTACKER_UID = 1234
 VICTIM_UID = 65534
 
@@ -66,18 +67,17 @@ def _within(call: Callable[[], Any], fifos: Sequence[Path] = ()) -> Any:
             errors.append(exc)
 
     thread = threading.Thread(target=target, daemon=True)
-    start = time.monotonic()
     thread.start()
     thread.join(DEADLINE_S)
-    took = time.monotonic() - start
-    if thread.is_alive():
+    hung = thread.is_alive()
+    if hung:  # a writer for each FIFO ends a blocked open
         for fifo in fifos:
             with contextlib.suppress(OSError):
                 os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
         thread.join(10)
     if errors:
         raise errors[0]
-    assert took < DEADLINE_S, f"blocked for {took:.1f} s (limit {DEADLINE_S} s)"
+    assert not hung, f"still blocked after {DEADLINE_S} s (a FIFO's open?)"
     return out[0]
 
 
@@ -232,15 +232,13 @@ def test_another_users_stale_ring_is_left_alone(attack, sticky_dir):
         os.close(fd)
         return 0
 
-    def victim() -> int:
-        start = time.monotonic()
+    def victim() -> int:  # one that blocks is killed by _in_child's deadline
         ring = StagingRing(ALIGN, directory=str(sticky_dir))
         scan = scan_rings(str(sticky_dir))
-        took = time.monotonic() - start
         ring.close()
         if scan.stale or scan.skipped_foreign != 1 or ring.skipped_foreign != 1:
             return 3  # another user's ring was judged, or not counted
-        return 0 if took < 2 * DEADLINE_S else 4
+        return 0
 
     assert _in_child(ATTACKER_UID, plant) == 0
     assert os.stat(foreign).st_uid == ATTACKER_UID
