@@ -226,9 +226,10 @@ class StoreConfig:
             "Which of the blocks a save brings are written. all: every block "
             "not stored. second_sight: a block the second time a save brings "
             "it (the first time it is remembered in a bounded ghost). auto: "
-            "whichever of the two a shadow of both, kept on a sample of the "
-            "directory's blocks, says hits more at this capacity (write-all "
-            "must win by 5%). Saves stay prefix-closed; a declined block is a "
+            "write-all while the shadows of both, kept on a sample of the "
+            "blocks lookups ask for, warm up, then write-all only while each "
+            "write it adds over second sight brings 0.1 hit more, else "
+            "second sight. Saves stay prefix-closed; a declined block is a "
             "miss, never wrong KV. Choosing: docs/guide/operations.md "
             "(docs/decisions/0069).",
             choices=("auto", "all", "second_sight"),
