@@ -1,8 +1,9 @@
 """The Mooncake tier tests' helpers (tests/remote, tests/security): a tier's
 config and secret, block keys, waits, stores attached to a tier, the values a
 node writes for block_tensors, Nodes, the tiers and stores a test makes (the
-``nodes`` fixture, tests/remote/conftest.py), and HangingClient, a fake
-Mooncake client whose calls hang."""
+``nodes`` fixture, tests/remote/conftest.py), Recording (a real client whose
+calls are recorded with their threads), and HangingClient, a fake Mooncake
+client whose calls hang."""
 
 from __future__ import annotations
 
