@@ -114,7 +114,13 @@ def _parse_budget(value: object, capacity: int) -> int:
                 "such as '0.5dwpd', or a byte size per day such as '2TB'"
             )
         return int(dwpd * capacity)
-    return parse_size(value, key="write_budget")
+    try:
+        return parse_size(value, key="write_budget")
+    except ConfigError:
+        raise ConfigError(
+            f"write_budget: found {value!r}, expected a byte size per day such "
+            "as '2TB', drive writes per day such as '0.5dwpd', or 0 (none)"
+        ) from None
 
 
 def _parse_shares(value: object, capacity: int) -> tuple[tuple[str, float | int], ...]:

@@ -228,6 +228,8 @@ GARBLED = {
     "cache_dir": ("", "cache_dir: found ''"),
     "capacity": ("lots", "capacity: found 'lots'"),
     "tenant_shares": ('{"a": "60%", "b": 0.5}', "tenant_shares: found shares adding"),
+    "admission": ("sometimes", "admission: found 'sometimes', expected one of auto"),
+    "write_budget": ("-1dwpd", "write_budget: found '-1dwpd', expected drive writes"),
     "ring_size": ("-1GiB", "ring_size: found '-1GiB'"),
     "chunk_target_size": ("1.5XB", "chunk_target_size: found '1.5XB'"),
     "io_engine": ("fast", "io_engine: found 'fast'"),
