@@ -221,8 +221,13 @@ def transfer(
     asynchronous: bool = False,
     remote: bool = False,
     tenant: bytes = DEFAULT_TENANT,
+    chained: bool = True,
 ) -> BlockTransfer:
-    """Blocks ``rows`` of one group of a request, with every rank's keys."""
+    """Blocks ``rows`` of one group of a request, with every rank's keys;
+    ``chained``: a save of a prefix-closed chain, whose runs carry their
+    parents' keys (0070). A sliding-window group's tails and a state group's
+    boundaries are saved without the blocks before them: no parent (the
+    store refuses a chunk whose given parent is gone)."""
     return BlockTransfer(
         req_id,
         [block_ids[i] for i in rows],
@@ -239,5 +244,7 @@ def transfer(
                 if j == 0 or rows[j - 1] != i - 1
             ])
             for rank in keys
-        ],
+        ]
+        if chained
+        else [],
     )  # fmt: skip

@@ -88,7 +88,7 @@ class SavePlan:
             saves.append(
                 transfer(
                     request.request_id, group.index, ids, rows, keys,
-                    tenant=state.tenant,
+                    tenant=state.tenant, chained=group.kind == "full",
                 )
             )  # fmt: skip
         state.saved_any = state.saved_any or bool(saves)
@@ -139,7 +139,7 @@ class SavePlan:
             saves.append(
                 transfer(
                     request.request_id, group_id, ids, wanted, keys,
-                    tenant=state.tenant,
+                    tenant=state.tenant, chained=False,
                 )
             )  # fmt: skip
         state.saved_any = state.saved_any or bool(saves)

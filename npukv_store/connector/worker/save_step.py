@@ -115,7 +115,9 @@ class StepSaver:
                 s for s in self._saves if (s.group, s.tenant) == (group, tenant)
             ]
             keys, block_ids = concat_transfers(transfers, self._rank)
-            # each chunk goes below its chains' parents in the LRU (0070)
+            # each chunk goes below its chains' parents in the LRU (0070);
+            # saves that are not chains (sliding tails, states) name none
+            chained = all(s.parents_by_rank for s in transfers)
             parents = [p for s in transfers for p in s.row_parents(self._rank)]
             per_chunk = blocks_per_chunk(
                 self._specs[group].block_bytes, self._settings.chunk_target_size
@@ -124,7 +126,9 @@ class StepSaver:
                 stop = start + per_chunk
                 staged = self._stores[group].begin_save(
                     keys[start:stop], tenant=tenant,
-                    parent=slice_parents(keys, parents, start, min(stop, len(keys))),
+                    parent=slice_parents(keys, parents, start, min(stop, len(keys)))
+                    if chained
+                    else None,
                 )  # fmt: skip
                 if staged is not None:
                     ids = [block_ids[start + i] for i in staged.indices]
