@@ -94,7 +94,7 @@ class Admitter:
         self._deltas: dict[bytes, dict[str, int]] = {}
         self._written = 0
         self.mode = Mode.SECOND_SIGHT if self.policy == "second_sight" else Mode.ALL
-        self.scores = Scores()  # the directory's: every process's, summed
+        self.scores = Scores()  # the directory's: the record of the most asks
         self.budget_left = 1.0
         #: this process's shadow of both modes (in memory: an ask costs three
         #: dict operations, not twenty LMDB ones), over every process's
@@ -135,9 +135,8 @@ class Admitter:
         return True
 
     def _sampled(self, keys: Sequence[bytes]) -> list[int]:
-        """The prefixes of ``keys`` the shadow samples. A lookup's cost: one
-        comparison per key in numpy (a Python loop over a 256-key chain
-        would cost as much as the lookup itself)."""
+        """The prefixes of ``keys`` the shadow samples: one comparison per
+        key in numpy (run by the flush, before its transaction)."""
         if not keys:
             return []
         joined = b"".join(keys)

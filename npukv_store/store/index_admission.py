@@ -21,11 +21,13 @@ sequence numbers are u64 big-endian, so each table's order is byte order):
 
 One table, ``g``: the directory's ghost of the blocks saves brought (what
 second sight admits on), bounded by its caller's trim. The shadows
-themselves live in each process's memory (over its own lookups); their
-scores are summed over the processes heard from in the last
-:data:`STALE_S` seconds (older records are dropped by the next writer), so
-the database holds at most ``ghost_max`` entries plus one record per
-process, whatever the traffic.
+themselves live in the memory of each process that looks up, and run over
+every process's sampled asks (the ask log, ``a`` + seq: the newest
+:data:`ASK_LOG_ENTRIES` flushes); the directory's scores are the record of
+the most asks among those written in the last :data:`STALE_S` seconds
+(older records are dropped by the next writer). So the database holds at
+most ``ghost_max`` entries, the ask log and one record per process,
+whatever the traffic.
 """
 
 from __future__ import annotations
