@@ -99,10 +99,11 @@ def mounted(backing: str, mountpoint: str, log_path: str) -> Iterator[None]:
 
 
 def record(
-    steps: Sequence[Sequence[tuple[str, int]]], workdir: str, mutation: str = ""
+    steps: Sequence[Sequence[tuple[str, ...]]], workdir: str, mutation: str = ""
 ) -> list[tuple]:
     """Run ``steps`` on a fresh cache directory (the mount's root): each step
-    is a list of (tag, chunks), one workload process each, run together; the
+    is a list of argument tuples (after CACHE_DIR: tests/power/workload.py),
+    one workload process each, run together; the
     next step starts when they have all exited 0. ``mutation``: a sync the
     workload leaves out (tests/power/workload.py MUTABLE). Returns the log."""
     env = dict(os.environ, NPUKV_POWER_MUTATION=mutation)
@@ -115,13 +116,13 @@ def record(
         for step in steps:
             procs = [
                 subprocess.Popen(
-                    [sys.executable, "-m", WORKLOAD, mountpoint, tag, str(n)],
+                    [sys.executable, "-m", WORKLOAD, mountpoint, *args],
                     cwd=ROOT,
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                 )  # fmt: skip
-                for tag, n in step
+                for args in step
             ]
             failed = []
             for p in procs:

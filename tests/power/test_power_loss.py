@@ -19,15 +19,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.power import crashstates, harness
+from tests.power import crashstates, harness, workload
 
-WORKLOADS = {
-    # first open of a new directory (marker, secret, index, sessions,
-    # namespace) and 3 publishes by one process
-    "one-process": [[("a", 3)]],
-    # a first process, then two publishing together on the same directory
-    "two-processes": [[("a", 1)], [("b", 2), ("c", 2)]],
-}
+WORKLOADS = workload.WORKLOADS
 #: (per_point, sampled_points) per form: the quick form's states total > 1,000
 FORMS = {"quick": (6, 60), "full": (25, 600)}
 

@@ -33,6 +33,18 @@ SPEC = tiny_spec(num_layers=2)
 BLOCKS = 4  # per chunk: 4 blocks x 2 layers x 2 parts x 512 B
 
 
+#: The workloads the power-loss tests record (issue 40 part 2): each a list of
+#: steps, each step the workload processes run together (their arguments
+#: after CACHE_DIR); the next step starts when a step's processes all exit 0.
+WORKLOADS: dict[str, list[list[tuple[str, ...]]]] = {
+    # first open of a new directory (marker, secret, index, sessions,
+    # namespace) and 3 publishes by one process
+    "one-process": [[("a", "3")]],
+    # a first process, then two publishing together on the same directory
+    "two-processes": [[("a", "1")], [("b", "2"), ("c", "2")]],
+}
+
+
 def keys_for(label: str) -> list[bytes]:
     return [
         hashlib.blake2b(f"{label}:{i}".encode(), digest_size=16).digest()
