@@ -29,6 +29,7 @@ Layout (docs/format.md)::
     <cache_dir>/.lock                     flock: recovery and index rebuilds;
                                           byte locks: signs of life (.locks)
     <cache_dir>/sessions                  open store handles (.sessions)
+    <cache_dir>/boot                      the boot id of the last open (.sessions)
     <cache_dir>/secret                    32 random bytes: the chain key's seed
 """
 
@@ -73,7 +74,9 @@ _NS_RE = re.compile(r"^[0-9a-f]{32}$")
 #: Root-level entries of the layout, checked at every open: a symlink or
 #: another user's entry there is refused (docs/caveats.md).
 ENTRY_DIRS = ("tmp", "index", "claims", "quarantine")
-ENTRY_FILES = (MARKER, ".lock", "sessions", "maintenance.lock", CACHE_SECRET_FILE)
+ENTRY_FILES = (
+    MARKER, ".lock", "sessions", "boot", "maintenance.lock", CACHE_SECRET_FILE,
+)  # fmt: skip
 
 
 class CacheDir(DirFD):

@@ -74,6 +74,8 @@ def open_lock_file(cache: DirFD, name: str) -> int:
 REBUILD_BYTES = 1 << 40  # a rebuild's: REBUILD_BYTES + n, n < MAX_SLOTS
 SESSION_BYTES = REBUILD_BYTES + (1 << 20)  # a session's: SESSION_BYTES + slot
 MAX_SLOTS = 1 << 20
+#: held by the opener that records a new boot (:func:`.sessions.begin_session`)
+BOOT_BYTE = SESSION_BYTES + MAX_SLOTS
 
 
 class _Flock(ctypes.Structure):

@@ -5,7 +5,8 @@ Runs in: every process opening a store (``begin_session``), and the
 maintenance job (``dead_sessions`` / ``forget_sessions``, after its scan).
 
     begin_session()   - take a slot: hold its byte of ``.lock``, write its
-                        record into ``sessions``; report the dead ones found
+                        record into ``sessions``; report the dead ones found,
+                        and whether the machine restarted since the last open
     Session.end()     - a clean close: the record is cleared, then the byte
     dead_sessions()   - records whose byte nobody holds (their process died)
     forget_sessions() - clear those records, each only while still dead
@@ -22,9 +23,14 @@ each ending in a disk flush. The 17 processes of a TP 16 engine opening at
 once then queued behind 17-34 flushes (measured: the last waited 186 ms where
 its open took 2 ms of CPU). A ``pwrite`` of one record into a slot no other
 process writes (its byte lock says whose it is) needs no lock and no flush.
-Unsynced, a record may be lost in a power cut: then the garbage of that
-session waits for ``npukv gc``, which always scans. Garbage is never visible
-to readers; it only holds disk space.
+Unsynced, a record may be lost in a power cut. So ``boot`` holds the boot
+id of the machine that last opened the directory (Linux's
+``/proc/sys/kernel/random/boot_id``, new at every boot): the first open of a
+boot finds another id there, records its own and scans, whatever ``sessions``
+kept (docs/decisions/0072). A kill -9 keeps the page cache, so within one
+boot the records are enough; a power cut ends the boot. ``boot`` needs no
+sync either: lost, it holds an older id, and the next open scans again.
+Garbage is never visible to readers; it only holds disk space.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import time
 
 from npukv_store.store.dirfd import DirFD
 from npukv_store.store.locks import (
+    BOOT_BYTE,
     SESSION_BYTES,
     byte_locked,
     lock_byte,
@@ -46,6 +53,9 @@ from npukv_store.store.locks import (
 logger = logging.getLogger(__name__)
 
 SESSIONS_FILE = "sessions"
+BOOT_FILE = "boot"
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+_BOOT_BYTES = 64  # a boot id is 36 bytes of text
 SLOT_BYTES = 128
 #: Handles open at once on one directory, at most: bounds what an open reads
 #: (8 MiB of records, should the file ever be garbage of that size).
@@ -62,11 +72,21 @@ class Session:
         dead: the records of dead sessions this one found, by slot (and
             cleared, after registering itself: if this process dies before
             it has scanned, its own record says so to the next).
+        new_boot: this open is the first since the machine restarted (it
+            recorded the boot): every session of the last boot died, whether
+            or not its record outlived the power cut.
     """
 
     def __init__(self, lock_fd: int, records_fd: int, slot: int) -> None:
         self.lock_fd, self.records_fd, self.slot = lock_fd, records_fd, slot
         self.dead: dict[int, bytes] = {}
+        self.new_boot = False
+
+    @property
+    def must_scan(self) -> bool:
+        """Whether the open must look for garbage (a dead session's, or the
+        last boot's)."""
+        return bool(self.dead) or self.new_boot
 
     def end(self) -> None:
         """A clean close: the record goes first, then the byte."""
@@ -126,7 +146,46 @@ def begin_session(cdir: DirFD) -> Session:
         logger.info("%d process(es) left %s without closing", len(dead), cdir.root)
         _forget(lock_fd, records_fd, dead)
     session.dead = dead
+    try:
+        session.new_boot = _record_boot(cdir, lock_fd)
+    except BaseException:
+        session.end()
+        raise
     return session
+
+
+def boot_id() -> bytes | None:
+    """This boot's id (None where the kernel gives none: no boot check)."""
+    try:
+        with open(BOOT_ID_PATH, "rb") as f:
+            return f.read(_BOOT_BYTES).strip() or None
+    except OSError:
+        return None
+
+
+def _record_boot(cdir: DirFD, lock_fd: int) -> bool:
+    """Record this boot in ``boot``; True for the one opener that found
+    another boot there (it scans). One read in the common case."""
+    current = boot_id()
+    if current is None:
+        return False
+    fd = open_lock_file(cdir, BOOT_FILE)
+    try:
+        if os.pread(fd, _BOOT_BYTES, 0).rstrip(b"\0") == current:
+            return False
+        # Openers racing after a reboot: one takes the byte and scans; the
+        # others find it taken and leave the scan to it.
+        if not lock_byte(lock_fd, BOOT_BYTE):
+            return False
+        try:
+            if os.pread(fd, _BOOT_BYTES, 0).rstrip(b"\0") == current:
+                return False
+            os.pwrite(fd, current.ljust(_BOOT_BYTES, b"\0"), 0)
+            return True
+        finally:
+            unlock_byte(lock_fd, BOOT_BYTE)
+    finally:
+        os.close(fd)
 
 
 def dead_sessions(cdir: DirFD) -> dict[int, bytes]:

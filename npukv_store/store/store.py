@@ -130,15 +130,17 @@ class KVStore:
         # No step here grows with the store (docs/decisions/0059): the index
         # opens under .lock shared, a record in sessions says we are open, and
         # the directory is scanned for garbage only when a session's process
-        # died without closing, or a rebuild ran (the scan is then ours
-        # alone, outside any lock: other processes open meanwhile).
+        # died without closing, the machine restarted since the last open
+        # (a power cut may have taken the records: 0072), or a rebuild ran
+        # (the scan is then ours alone, outside any lock: other processes
+        # open meanwhile).
         self.index, rebuilt = recovery.open_index_reporting(
             self.dir, map_size=self.config.index_map_size, sync=self._sync
         )
         self._session = begin_session(self.dir)
         self.dir.ensure_namespace(self.namespace, self.spec.canonical_json())
         self.claims = ClaimTable(self.dir.claims_path, access=self.dir.access)
-        if rebuilt or self._session.dead:
+        if rebuilt or self._session.must_scan:
             recovery.remove_garbage(self.dir, self.index, self.config.tmp_max_age_s)
         self.publisher = Publisher(
             self.dir, self.index, self.claims, self.config, self.counters,

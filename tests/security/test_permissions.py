@@ -28,7 +28,8 @@ from tests.support.faults import SMALL, config, keys_for
 
 #: What a used cache holds: every one must exist for the test to mean much.
 EXPECTED = (
-    "NPUKV_STORE", ".lock", "sessions", "maintenance.lock", "secret", "tmp", "index",
+    "NPUKV_STORE", ".lock", "sessions", "boot", "maintenance.lock", "secret", "tmp",
+    "index",
     "index/data.mdb", "index/lock.mdb", "claims", "claims/data.mdb",
     "claims/lock.mdb", "quarantine",
 )  # fmt: skip

@@ -69,6 +69,7 @@ def _plant(root: str, entry: str, out: str) -> tuple[str, str]:
         "sessions": (
             os.path.join(root, "sessions"), os.path.join(out, "important.conf"),
         ),
+        "boot": (os.path.join(root, "boot"), os.path.join(out, "important.conf")),
         "quarantine": (os.path.join(root, "quarantine"), os.path.join(out, "empty")),
         "index": (os.path.join(root, "index"), os.path.join(out, "lmdb")),
         "claims": (os.path.join(root, "claims"), os.path.join(out, "empty")),
@@ -91,7 +92,7 @@ def _plant(root: str, entry: str, out: str) -> tuple[str, str]:
 
 
 ENTRIES = [
-    "tmp", "maintenance.lock", ".lock", "sessions", "quarantine", "index",
+    "tmp", "maintenance.lock", ".lock", "sessions", "boot", "quarantine", "index",
     "claims", "<ns>", "<ns>/chunks", "a chunk file", "secret", "NPUKV_STORE",
 ]  # fmt: skip
 

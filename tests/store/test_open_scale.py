@@ -6,6 +6,9 @@ commits in batches while other processes open and serve
   leftovers planted after it stay until ``npukv gc``, which removes them.
 * A process that dies with the store open (its byte of ``.lock`` released by
   the kernel) is found by the next open, which scans once and forgets it.
+* The first open after a reboot scans once, whatever ``sessions`` kept (a
+  power cut may have taken its records: docs/decisions/0072); an opener
+  that finds another one recording the boot leaves the scan to it.
 * Session liveness is the byte lock, not the pid: a live holder is alive, a
   record in a slot nobody holds (or of a format we never write) is dead,
   and so is one written into a slot between our read and our lock.
@@ -30,6 +33,7 @@ from npukv_store.store import recovery, sessions
 from npukv_store.store.directory import HOST, CacheDir
 from npukv_store.store.format import build_chunk
 from npukv_store.store.index import Index
+from npukv_store.store.locks import BOOT_BYTE, lock_byte, open_lock_file
 from npukv_store.store.sessions import (
     SESSIONS_FILE,
     SLOT_BYTES,
@@ -152,6 +156,55 @@ def test_a_process_killed_with_the_store_open_makes_the_next_open_scan(tmp_path)
         assert store._session.dead == {}  # scanned once, then forgotten
 
 
+def test_the_first_open_after_a_reboot_scans_once(tmp_path, monkeypatch):
+    spec = tiny_spec()
+    config = StoreConfig(cache_dir=str(tmp_path / "c"))
+    with KVStore(config, spec) as store:
+        keys = _put(store, 1)
+    # a clean close, then leftovers whose session record a power cut took
+    tmp, orphan = _plant_leftovers(config.cache_dir, store.namespace, spec)
+    with KVStore(config, spec) as store:
+        assert not store._session.must_scan  # the same boot: no scan
+        assert os.path.exists(orphan)
+    monkeypatch.setattr(sessions, "boot_id", lambda: b"a-boot-after-a-power-cut")
+    with KVStore(config, spec) as store:
+        assert (store._session.dead, store._session.new_boot) == ({}, True)
+        assert not os.path.exists(tmp)
+        assert not os.path.exists(orphan)
+        out = empty_blocks(spec, len(keys))
+        assert verify_read(spec, keys, out, store.read(keys, out)) == []
+        assert store.check(verify_data=True) == []
+    with KVStore(config, spec) as store:
+        assert not store._session.must_scan  # that boot is recorded: once
+
+
+def test_an_opener_racing_the_boot_record_leaves_the_scan_to_its_holder(
+    tmp_path, monkeypatch
+):
+    cdir = CacheDir(str(tmp_path / "c"))
+    cdir.open()
+    monkeypatch.setattr(sessions, "boot_id", lambda: b"boot-2")
+    holder = open_lock_file(cdir, ".lock")
+    try:
+        assert lock_byte(holder, BOOT_BYTE)  # another opener is recording it
+        racing = begin_session(cdir)
+        assert not racing.new_boot
+        racing.end()
+    finally:
+        os.close(holder)  # it died without recording: the next open does
+    first = begin_session(cdir)
+    second = begin_session(cdir)
+    try:
+        assert (first.new_boot, second.new_boot) == (True, False)
+    finally:
+        first.end()
+        second.end()
+    monkeypatch.setattr(sessions, "boot_id", lambda: None)  # no /proc: no check
+    nowhere = begin_session(cdir)
+    assert not nowhere.new_boot
+    nowhere.end()
+
+
 def test_gc_forgets_dead_sessions(tmp_path):
     spec = tiny_spec()
     config = StoreConfig(cache_dir=str(tmp_path / "c"))
@@ -225,6 +278,7 @@ import os, sys, time
 from npukv_store.store import recovery, sessions
 from npukv_store.store.directory import CacheDir
 from npukv_store.store.index import Index
+from npukv_store.store.locks import BOOT_BYTE, lock_byte, open_lock_file
 recovery.REBUILD_BATCH = int(sys.argv[2])
 real = Index.commit_rebuilt
 calls = [0]
