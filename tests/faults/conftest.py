@@ -15,7 +15,11 @@ that runs its trials and counts, over all of them:
                          chunk file by design (the test says which blocks)
     process_crashes      a process that died with a code or signal the test
                          did not inject, or a traceback where one clear error
-                         line was expected
+                         line was expected; for the power-loss kinds, a crash
+                         state that a fresh process refused to open
+
+and, not a failure, ``crash_states``: the crash states the power-loss kinds
+checked (tests/faults/test_power_loss.py), each opened by a fresh process.
 
 A test fails as soon as any of its counters is not 0 (checked right after its
 body runs), so the totals of a green run are 0.
@@ -55,6 +59,7 @@ class Tally:
     """One kind's counts in one form (quick or full), over all its tests."""
 
     trials: int = 0
+    crash_states: int = 0  # power-loss crash states checked (not a failure)
     wrong_kv_served: int = 0
     durable_blocks_lost: int = 0
     process_crashes: int = 0
@@ -141,8 +146,13 @@ class FaultTrial:
     def lost(self, n: int, what: str) -> None:
         self._count("durable_blocks_lost", n, what)
 
-    def crashed(self, what: str) -> None:
-        self._count("process_crashes", 1, what)
+    def crashed(self, what: str, n: int = 1) -> None:
+        self._count("process_crashes", n, what)
+
+    def checked_states(self, n: int) -> None:
+        """``n`` more power-loss crash states checked (the ``crash_states``
+        count of this kind; what went wrong in them goes to the counters)."""
+        self.tally.crash_states += n
 
     def process(
         self,
@@ -258,6 +268,7 @@ def summary(form: str) -> dict[str, Any]:
                 "fault": entry.fault,
                 "expected": entry.expected,
                 "trials": tally.trials,
+                "crash_states": tally.crash_states,
                 "result": tally.result(),
                 **{c: getattr(tally, c) for c in COUNTERS},
             }
@@ -267,6 +278,7 @@ def summary(form: str) -> dict[str, Any]:
         "fault_kinds": len(KINDS),
         "kinds": kinds,
         "trials": sum(k["trials"] for k in kinds),
+        "crash_states": sum(k["crash_states"] for k in kinds),
         # known issues (strict xfails, the fix asked for) keep their own
         # counts in their entries; the totals are those of the promises held
         **{c: sum(k[c] for k in kinds if k["result"] != "xfailed") for c in COUNTERS},
@@ -300,11 +312,16 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             continue
         write = terminalreporter.write_line
         terminalreporter.section(f"fault suite ({form} form)")
-        write(f"{'kind':38} {'promise':7} {'trials':>6}  result")
+        write(f"{'kind':38} {'promise':7} {'trials':>6} {'states':>6}  result")
         for k in ran:
-            write(f"{k['kind']:38} {k['promise']:7} {k['trials']:>6}  {k['result']}")
+            states = k["crash_states"] or ""  # blank: not a power-loss kind
+            write(
+                f"{k['kind']:38} {k['promise']:7} {k['trials']:>6} {states:>6}  "
+                f"{k['result']}"
+            )
         write(
-            f"{len(ran)} of {body['fault_kinds']} kinds, {body['trials']} trials: "
+            f"{len(ran)} of {body['fault_kinds']} kinds, {body['trials']} trials, "
+            f"{body['crash_states']} crash states: "
             + ", ".join(f"{c} {body[c]}" for c in COUNTERS)
         )
         path = os.environ.get("NPUKV_FAULTS_JSON")
