@@ -26,13 +26,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.power import crashstates, workload
+from tests.power import checks, crashstates, workload
 
 ROOT = Path(__file__).resolve().parents[2]
-#: check() lines that name crash leftovers, not a disagreement: a tmp/ file or
-#: an orphan chunk whose writer died. Open removes them only when the sessions
-#: file names a dead process, and after a power cut it may not (a lost write).
-LEFTOVERS = ("tmp garbage ", "orphan chunk ")
 #: every step of a workload and every mount gets this long, then fails
 DEADLINE_S = 120
 WORKLOAD = "tests.power.workload"
@@ -112,6 +108,9 @@ def record(
     log_path = os.path.join(workdir, "log.pkl")
     os.mkdir(backing, 0o700)
     os.mkdir(mountpoint, 0o700)
+    unknown = [a[0] for step in steps for a in step if a[0] not in workload.KINDS]
+    if unknown:
+        raise ValueError(f"workload kinds: found {unknown}, expected {workload.KINDS}")
     with mounted(backing, mountpoint, log_path):
         for step in steps:
             procs = [
@@ -147,7 +146,6 @@ class Report:
     wrong: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    leftovers: int = 0  # check()'s crash leftovers (LEFTOVERS), not failures
     seconds: float = 0.0
 
     def bad(self) -> int:
@@ -157,8 +155,7 @@ class Report:
         lines = [
             f"{self.states} crash states {self.by_how} in {self.seconds:.1f} s: "
             f"{len(self.lost)} lost, {len(self.wrong)} wrong, "
-            f"{len(self.refused)} refused, {len(self.problems)} check() problems, "
-            f"{self.leftovers} crash leftovers"
+            f"{len(self.refused)} refused, {len(self.problems)} problems"
         ]
         for what in ("lost", "wrong", "refused", "problems"):
             lines += [f"  {what}: {line}" for line in getattr(self, what)[:5]]
@@ -168,8 +165,8 @@ class Report:
 def _run_forked(
     log: list[tuple],
     state: crashstates.CrashState,
-    committed: list[str],
-    attempted: list[str],
+    before: list[str],
+    every: list[str],
     tmp: str,
 ) -> tuple[int, int]:
     """Fork a fresh process that materialises and checks ``state``; it writes
@@ -185,11 +182,11 @@ def _run_forked(
             root = os.path.join(tmp, f"state-{os.getpid()}")
             try:
                 crashstates.materialise(crashstates.replay(log, state.kept), root)
-                verdict = workload.check_state(root, committed, attempted)
+                verdict = checks.check_state(root, before, every)
             finally:
                 shutil.rmtree(root, ignore_errors=True)
         except BaseException:
-            verdict = workload.Verdict(
+            verdict = checks.Verdict(
                 refused="the check itself failed: " + traceback.format_exc(limit=6)
             )
         try:
@@ -203,7 +200,7 @@ def _run_forked(
     return pid, read_end
 
 
-def _collect(pid: int, read_end: int, deadline: float) -> workload.Verdict:
+def _collect(pid: int, read_end: int, deadline: float) -> checks.Verdict:
     """The child's verdict; a child past ``deadline`` is killed and counted
     as a refusal."""
     chunks = []
@@ -214,7 +211,7 @@ def _collect(pid: int, read_end: int, deadline: float) -> workload.Verdict:
             if not ready:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                return workload.Verdict(refused="the check ran past its deadline")
+                return checks.Verdict(refused="the check ran past its deadline")
             chunk = f.read(1 << 16)
             if not chunk:  # EOF: the child closed it, exiting
                 break
@@ -222,7 +219,7 @@ def _collect(pid: int, read_end: int, deadline: float) -> workload.Verdict:
     _, status = os.waitpid(pid, 0)
     raw = b"".join(chunks)
     if not raw:
-        return workload.Verdict(refused=f"the checking process died (status {status})")
+        return checks.Verdict(refused=f"the checking process died (status {status})")
     return pickle.loads(raw)
 
 
@@ -233,7 +230,7 @@ def check_states(
     ``workers`` at once (default: one per CPU)."""
     started = time.monotonic()
     marks = [(i, op[1]) for i, op in enumerate(log) if op[0] == "mark"]
-    attempted = sorted({label for _, label in marks})
+    every = [label for _, label in marks]
     report = Report()
     workers = workers or max(1, os.cpu_count() or 1)
     running: dict[int, tuple[crashstates.CrashState, int, float]] = {}
@@ -242,8 +239,8 @@ def check_states(
         while pending or running:
             while pending and len(running) < workers:
                 state = pending.pop()
-                committed = [label for i, label in marks if i < state.point]
-                pid, read_end = _run_forked(log, state, committed, attempted, tmp)
+                before = [label for i, label in marks if i < state.point]
+                pid, read_end = _run_forked(log, state, before, every, tmp)
                 running[pid] = (state, read_end, time.monotonic() + DEADLINE_S)
             # the oldest first: its pipe's EOF comes when it exits
             pid = next(iter(running))
@@ -256,11 +253,7 @@ def check_states(
             report.wrong += [f"{where} {x}" for x in verdict.wrong]
             if verdict.refused:
                 report.refused.append(f"{where} {verdict.refused}")
-            for problem in verdict.problems:
-                if problem.startswith(LEFTOVERS):
-                    report.leftovers += 1
-                else:
-                    report.problems.append(f"{where} {problem}")
+            report.problems += [f"{where} {x}" for x in verdict.problems]
     report.seconds = time.monotonic() - started
     return report
 
