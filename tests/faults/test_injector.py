@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import re
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -96,12 +96,20 @@ def test_probability_and_writes(data_file):
         assert set(_results(engine, _reads(data_file, 2)).values()) == {16384}
 
 
-def test_slow_delays_the_submitting_thread(data_file):
+def test_slow_delays_the_submitting_thread(data_file, monkeypatch):
+    slept: list[tuple[float, str]] = []
+
+    class _Time:  # the engine's clock, recording its sleeps instead
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            slept.append((seconds, threading.current_thread().name))
+
+    monkeypatch.setattr(io_faults, "time", _Time())
     rules = io_faults.parse_faults("read:slow:ms=60")
     with io_faults.FaultyEngine(ThreadEngine(2), rules) as engine:
-        begin = time.monotonic()
         assert set(_results(engine, _reads(data_file, 2)).values()) == {16384}
-        assert time.monotonic() - begin >= 0.1
+    # each request held 60 ms, in the thread that submitted it
+    assert slept == [(0.06, threading.current_thread().name)] * 2
 
 
 def test_make_engine_wraps_only_when_the_variable_is_set(monkeypatch):
