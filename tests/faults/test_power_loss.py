@@ -9,8 +9,8 @@ by a fresh process (tests/power/harness.py, checks.py). In every state: each
 block whose put() returned (fsync=chunk), and no eviction of which had begun,
 reads back byte-exact (else ``durable_blocks_lost``), no block reads back
 wrong (``wrong_kv_served``), the open never refuses (a refusal to start counts
-as a ``process_crashes``), and the rest of the check (check() finding nothing
-but crash leftovers, pins, the removal log) finds no problem (any fails the
+as a ``process_crashes``), and the rest of the check (check() clean after an
+open as a new boot, pins, the removal log) finds no problem (any fails the
 test).
 Lost and wrong count one per chunk (a put of BLOCKS blocks) and crash state.
 
@@ -44,7 +44,7 @@ FLOOR = 150  # states a trial checks at least, however many workloads there are
 #: what each workload of WORKLOADS does, for its kind's row in docs/faults.md
 DESCRIBED = {
     "one-process": "the first open of a new directory (marker, secret, index, "
-    "sessions, namespace.json) and 3 chunks put by one process",
+    "sessions, boot, namespace.json) and 3 chunks put by one process",
     "two-processes": "a first process puts 1 chunk, then two processes put 2 "
     "chunks each at once on the same directory",
     "eviction": "7 chunks put into a 4-chunk capacity: LRU eviction, deferred "
@@ -74,10 +74,10 @@ for _name in WORKLOADS:
         f"power lost at any instant of the {_name} workload, "
         f"{DESCRIBED.get(_name, UNDESCRIBED)}: crash states of a lost page "
         "cache recorded through FUSE (tests/power)",
-        "a fresh process opens every crash state; every block whose put() "
-        "returned (fsync=chunk), and no eviction of which had begun, reads back "
-        "byte-exact, none wrong; pins and the removal log hold; check() finds "
-        "nothing but crash leftovers (tmp/ files, orphan chunks)",
+        "a fresh process opens every crash state as a new boot; every block "
+        "whose put() returned (fsync=chunk), and no eviction of which had "
+        "begun, reads back byte-exact, none wrong; pins and the removal log "
+        "hold; check() finds nothing (the open swept a crash's leftovers)",
     )
 
 
