@@ -2,11 +2,13 @@
 (``python -m bench.harness.vllm_run run --trace FILE``; bench/cold_hit.py
 reads what it writes).
 
-    install()   wrap every target (_VLLM, _HOOKS on each connector, _OURS,
-                _EXAMPLE, _OS) before vLLM builds its engine; returns the Tracer
+    install()   wrap every target (bench/harness/trace_targets.py) before
+                vLLM builds its engine; returns the Tracer
     Tracer      perf_counter spans of the wrapped calls per thread, with the
-                thread's major page faults; per generate() call a window with
-                the process's disk reads, faults and CPU waits; dump(path)
+                thread's major page faults and CPU time (time.thread_time_ns
+                at enter and exit); per generate() call a window with its
+                thread, the process's disk reads, faults, CPU and CPU waits;
+                dump(path)
 
 Non-invasive: it wraps, at class or module level, vLLM's steps (LLM.generate,
 add_request, EngineCore.step, Scheduler.schedule / update_from_output, the KV
@@ -34,199 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-#: (label, owner "module:Class" or "module", attribute): what install() wraps.
-#: A target that does not exist (another vLLM, a refactored store) is skipped
-#: and listed in the trace's "missing".
-_VLLM = [
-    ("generate", "vllm.entrypoints.llm:LLM", "generate"),
-    ("llm.add_request", "vllm.v1.engine.llm_engine:LLMEngine", "add_request"),
-    ("llm.step", "vllm.v1.engine.llm_engine:LLMEngine", "step"),
-    ("engine.step", "vllm.v1.engine.core:EngineCore", "step"),
-    ("engine.post_step", "vllm.v1.engine.core:EngineCore", "post_step"),
-    ("sched.schedule", "vllm.v1.core.sched.scheduler:Scheduler", "schedule"),
-    (
-        "sched.update_from_output",
-        "vllm.v1.core.sched.scheduler:Scheduler",
-        "update_from_output",
-    ),
-    (
-        "kvm.get_computed_blocks",
-        "vllm.v1.core.kv_cache_manager:KVCacheManager",
-        "get_computed_blocks",
-    ),
-    (
-        "kvm.allocate_slots",
-        "vllm.v1.core.kv_cache_manager:KVCacheManager",
-        "allocate_slots",
-    ),
-    (
-        "executor.execute_model",
-        "vllm.v1.executor.uniproc_executor:UniProcExecutor",
-        "execute_model",
-    ),
-    (
-        "runner.execute_model",
-        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
-        "execute_model",
-    ),
-    (
-        "runner._update_states",
-        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
-        "_update_states",
-    ),
-    (
-        "runner._zero_block_ids",
-        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
-        "_zero_block_ids",
-    ),
-    (
-        "runner._prepare_inputs",
-        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
-        "_prepare_inputs",
-    ),
-    (
-        "runner._build_attention_metadata",
-        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
-        "_build_attention_metadata",
-    ),
-    (
-        "runner._model_forward",
-        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
-        "_model_forward",
-    ),
-    (
-        "runner.sample_tokens",
-        "vllm.v1.worker.cpu_model_runner:CPUModelRunner",
-        "sample_tokens",
-    ),
-    (
-        "output.process_outputs",
-        "vllm.v1.engine.output_processor:OutputProcessor",
-        "process_outputs",
-    ),
-]
-_HOOKS = [
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "bind_connector_metadata",
-    "handle_preemptions",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "get_finished",
-    "get_block_ids_with_load_errors",
-    "clear_connector_metadata",
-    "build_connector_worker_meta",
-    "update_connector_output",
-    "get_kv_connector_stats",
-    "request_finished",
-    "request_finished_all_groups",
-]
-_CONNECTORS = [
-    "npukv_store.connector.connector:NPUKVStoreConnector",
-    "vllm.distributed.kv_transfer.kv_connector.v1.example_connector:ExampleConnector",
-    "bench.harness.memory_connector:MemoryConnector",
-]
-_OURS = [
-    ("ours.match", "npukv_store.connector.scheduler.side:SchedulerSide", "match"),
-    ("ours.keys", "npukv_store.connector.scheduler.side:SchedulerSide", "_keys"),
-    ("ours.hit", "npukv_store.connector.scheduler.side:SchedulerSide", "_hit"),
-    ("ours.decide", "npukv_store.connector.scheduler.side:SchedulerSide", "_decide"),
-    (
-        "ours.allocated",
-        "npukv_store.connector.scheduler.side:SchedulerSide",
-        "allocated",
-    ),
-    (
-        "ours.build_meta",
-        "npukv_store.connector.scheduler.side:SchedulerSide",
-        "build_meta",
-    ),
-    ("store.lookup", "npukv_store.store.store:KVStore", "lookup"),
-    ("store.present", "npukv_store.store.store:KVStore", "present"),
-    ("store.readahead", "npukv_store.store.store:KVStore", "readahead"),
-    ("store.read_many", "npukv_store.store.store:KVStore", "read_many"),
-    ("index.lookup_prefix", "npukv_store.store.index:Index", "lookup_prefix"),
-    ("index.locate", "npukv_store.store.index:Index", "locate"),
-    ("worker.bind", "npukv_store.connector.worker.side:WorkerSide", "bind"),
-    ("worker.start_load", "npukv_store.connector.worker.side:WorkerSide", "start_load"),
-    (
-        "worker.finish_step",
-        "npukv_store.connector.worker.side:WorkerSide",
-        "finish_step",
-    ),
-    ("loader.new_job", "npukv_store.connector.worker.loader:LayerLoader", "new_job"),
-    ("loader.run", "npukv_store.connector.worker.loader:LayerLoader", "run"),
-    (
-        "loader.read_direct",
-        "npukv_store.connector.worker.loader:LayerLoader",
-        "_read_direct",
-    ),
-    (
-        "loader.load_layers",
-        "npukv_store.connector.worker.loader:LayerLoader",
-        "_load_layers",
-    ),
-    (
-        "loader.read_layer",
-        "npukv_store.connector.worker.loader:LayerLoader",
-        "_read_layer",
-    ),
-    (
-        "loader.wait_layer",
-        "npukv_store.connector.worker.loader:LayerLoader",
-        "wait_layer",
-    ),
-    ("loader.settle", "npukv_store.connector.worker.loader:LayerLoader", "settle"),
-    ("reader.read_chunks", "npukv_store.store.read.reader:ChunkReader", "read_chunks"),
-    ("reader.read_rows", "npukv_store.store.read.reader:ChunkReader", "read_rows"),
-    ("reader.header", "npukv_store.store.read.reader:ChunkReader", "_header"),
-    ("headers.get", "npukv_store.store.read.headers:ChunkHeaders", "get"),
-    ("headers.prefetch", "npukv_store.store.read.headers:ChunkHeaders", "prefetch"),
-    ("parse_header", "npukv_store.store.read.headers", "parse_header"),
-    (
-        "reader.read_layers",
-        "npukv_store.store.read.reader:ChunkReader",
-        "_read_layers",
-    ),
-    ("reader.plan", "npukv_store.store.read.reader:ChunkReader", "_plan"),
-    ("route.cached", "npukv_store.store.read.reader", "read_cached"),
-    ("route.streamed", "npukv_store.store.read.reader", "read_streamed"),
-    ("route.engine", "npukv_store.store.read.reader", "read_by_engine"),
-    ("files.residency", "npukv_store.store.read.routes:ChunkFiles", "residency"),
-    ("files.open_direct", "npukv_store.store.read.routes:ChunkFiles", "open_direct"),
-    ("verify.check_layer", "npukv_store.store.read.routes:ChunkRead", "check_layer"),
-    ("native.pread_layers_xxh3", "npukv_store.native", "pread_layers_xxh3"),
-    ("engine.submit", "npukv_store.io.uring:UringEngine", "submit"),
-    ("engine.reap", "npukv_store.io.uring:UringEngine", "reap"),
-    ("reader.engine", "npukv_store.store.read.reader:ChunkReader", "_engine"),
-    ("native.cached_pages", "npukv_store.native", "cached_pages"),
-    ("native.layer_checksums", "npukv_store.store.read.routes", "layer_checksums"),
-    ("device.copy_runs", "npukv_store.device.cpu:CpuBackend", "copy_runs"),
-    ("device.host_view", "npukv_store.device.cpu:CpuBackend", "host_view"),
-]
-_EXAMPLE = [
-    (
-        "example.found_match",
-        "vllm.distributed.kv_transfer.kv_connector.v1.example_connector:ExampleConnector",
-        "_found_match_for_request",
-    ),
-    (
-        "example.filename",
-        "vllm.distributed.kv_transfer.kv_connector.v1.example_connector:ExampleConnector",
-        "_generate_filename_debug",
-    ),
-    ("safetensors.load_file", "safetensors.torch", "load_file"),
-    ("memory.load", "bench.harness.memory_connector:MemoryConnector", "_load"),
-]
-_OS = [
-    ("os.open", "os", "open"),
-    ("os.posix_fadvise", "os", "posix_fadvise"),
-    ("os.path.exists", "os.path", "exists"),
-    ("os.makedirs", "os", "makedirs"),
-]
+from bench.harness.trace_targets import CONNECTORS, EXAMPLE, HOOKS, OS_CALLS, OURS, VLLM
 
 
 def _resolve(owner: str) -> Any:
@@ -326,11 +136,13 @@ def _contention() -> dict[str, float]:
 
 
 class Tracer:
-    """perf_counter spans of the wrapped calls, per thread, with major faults."""
+    """perf_counter spans of the wrapped calls, per thread, with major faults
+    and the thread's CPU time."""
 
     def __init__(self) -> None:
-        # label, thread id, start, end, major faults of the thread meanwhile
-        self.spans: list[tuple[str, int, float, float, int]] = []
+        # label, thread id, start, end, major faults of the thread meanwhile,
+        # the thread's CPU nanoseconds meanwhile (its children's included)
+        self.spans: list[tuple[str, int, float, float, int, int]] = []
         # generate() calls: start, end, process read_bytes and major faults
         self.windows: list[dict[str, float]] = []
         self.wrapped: list[str] = []
@@ -362,6 +174,7 @@ class Tracer:
         spans = self.spans
         getrusage, thread = resource.getrusage, resource.RUSAGE_THREAD
         clock, ident = time.perf_counter, threading.get_ident
+        cpu = time.thread_time_ns
         local = self._local
         loading = label.endswith(".start_load_kv")
         per_thread = loading and os.environ.get("NPUKV_TRACE_THREADS") == "1"
@@ -372,15 +185,17 @@ class Tracer:
             faults = getrusage(thread).ru_majflt
             if loading:
                 local.depth = getattr(local, "depth", 0) + 1
+            cpu0 = cpu()
             began = clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 ended = clock()
+                cpu1 = cpu()
                 if loading:
                     local.depth -= 1
                 faults = getrusage(thread).ru_majflt - faults
-                spans.append((label, ident(), began, ended, faults))
+                spans.append((label, ident(), began, ended, faults, cpu1 - cpu0))
                 if per_thread:
                     after = _threads_schedstat()
                     thread_cpu.append(
@@ -414,6 +229,7 @@ class Tracer:
                 after = _contention()
                 window = {k: after[k] - before[k] for k in before}
                 window["t0"], window["t1"] = began, ended
+                window["tid"] = threading.get_ident()
                 windows.append(window)
 
         return generate
@@ -431,6 +247,7 @@ class Tracer:
             if not getattr(local, "depth", 0):
                 return original(tensor, index, value)  # type: ignore[no-any-return]
             faults = getrusage(thread).ru_majflt
+            cpu0 = time.thread_time_ns()
             began = time.perf_counter()
             try:
                 return original(tensor, index, value)  # type: ignore[no-any-return]
@@ -442,6 +259,7 @@ class Tracer:
                         began,
                         time.perf_counter(),
                         getrusage(thread).ru_majflt - faults,
+                        time.thread_time_ns() - cpu0,
                     )
                 )
 
@@ -467,13 +285,13 @@ class Tracer:
 
 
 def install() -> Tracer:
-    """Wrap every target (see _VLLM, _HOOKS, _OURS, _EXAMPLE, _OS); call before
+    """Wrap every target (see VLLM, HOOKS, OURS, EXAMPLE, OS_CALLS); call before
     vLLM builds its engine. The caller dumps the tracer when done."""
     tracer = Tracer()
-    for label, owner, attr in _VLLM:
+    for label, owner, attr in VLLM:
         tracer.wrap(label, owner, attr)
-    for owner in _CONNECTORS:
-        for hook in _HOOKS:
+    for owner in CONNECTORS:
+        for hook in HOOKS:
             try:
                 cls = _resolve(owner)
             except (ImportError, AttributeError):
@@ -481,7 +299,7 @@ def install() -> Tracer:
                 break
             if hook in cls.__dict__:  # its own hooks, not the base class's
                 tracer.wrap(f"conn.{hook}", owner, hook)
-    for label, owner, attr in [*_OURS, *_EXAMPLE, *_OS]:
+    for label, owner, attr in [*OURS, *EXAMPLE, *OS_CALLS]:
         tracer.wrap(label, owner, attr)
     tracer.wrap_setitem()
     _read_tuning_override()
