@@ -62,7 +62,7 @@ ROWS: list[tuple[str, int, str]] = [
     ("verify.check_layer", 9, "verify: check_layer (xxh3)"),
     ("loader.load_layers", 5, "LayerLoader._load_layers (slot path)"),
     ("loader.read_layer", 6, "LayerLoader._read_layer"),
-    ("device.copy_runs", 6, "device copy into KV pages (copy_runs)"),
+    ("device.copy_runs", 6, "copy_runs (H2D of a load; D2H of a save)"),
     ("example.filename", 4, "Example: _generate_filename (makedirs)"),
     ("os.makedirs", 5, "os.makedirs"),
     ("safetensors.load_file", 4, "Example: safetensors load_file (open+read)"),
