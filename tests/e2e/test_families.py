@@ -35,7 +35,6 @@ from bench.harness.runs import (
     run,
     tokens,
 )
-from tests.support.budget import scaled_timeout
 from tests.support.cpu import cpu_has_amx
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
@@ -312,7 +311,6 @@ QWEN3_NEXT_ARGS = ("--max-num-batched-tokens", "64", "--retention-interval", "64
     "(kv_connector_block_state, 0.32+): the connector refuses Mamba groups "
     "there (tests/connector/test_state_groups.py)",
 )
-@pytest.mark.timeout(scaled_timeout(300))  # vLLM runs: slower on a busy host
 def test_qwen3_next_stores_and_loads_states_with_baseline_tokens(tmp_path):
     """Gated delta-net layers (Mamba groups, align mode) beside full
     attention: store in one process, load in a second; greedy tokens equal a

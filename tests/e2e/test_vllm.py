@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from bench.harness import runs
-from tests.support.budget import scaled_timeout
 
 pytest.importorskip("vllm", reason="end-to-end tests need vLLM (pip install .[vllm])")
 
@@ -101,7 +100,6 @@ def _check_hits(report: dict[str, object], baseline: dict[str, list[int]],
 
 # the module's first test: its budget also pays for the baseline and
 # stored fixtures' vLLM runs, which take the 300 s default on a busy 2-core host
-@pytest.mark.timeout(scaled_timeout(300))
 def test_store_then_load_in_another_process_bulk_mode(work, baseline, stored):
     """Second process, layerwise off: a partial prefix hit of 4 blocks for p2
     (it shares 150 tokens with p1), then p1, whose 4 first blocks are now in

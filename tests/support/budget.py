@@ -7,6 +7,7 @@ parallel suite) the same runs take a few times longer, and a fixed 300 s
 fails a test that is only slow, not stuck. :func:`scaled_timeout` keeps
 the base on an idle machine of 4 cores or more and multiplies it by how
 short of that the machine is, capped so that a hung run still fails.
+tests/conftest.py applies it to every end-to-end and power-loss test.
 """
 
 from __future__ import annotations
@@ -34,5 +35,5 @@ def machine_scale() -> float:
 
 def scaled_timeout(base_s: float) -> int:
     """``base_s`` for pytest.mark.timeout, stretched by :func:`machine_scale`
-    (computed when the test module is collected)."""
+    (tests/conftest.py computes it as each machine-bound test starts)."""
     return int(base_s * machine_scale())
