@@ -35,6 +35,7 @@ Garbage is never visible to readers; it only holds disk space.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -154,6 +155,7 @@ def begin_session(cdir: DirFD) -> Session:
     return session
 
 
+@functools.cache  # constant for the process's life: read once, not per open
 def boot_id() -> bytes | None:
     """This boot's id (None where the kernel gives none: no boot check)."""
     try:
